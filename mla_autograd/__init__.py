@@ -1,0 +1,23 @@
+"""mla_autograd: fused attention for DeepSeek-style Multi-head Latent Attention (MLA).
+
+Public API:
+    attention(q, k, v, *, causal, causal_align, softmax_scale, deterministic, return_lse)
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, *, softmax_scale, ...)
+    explain(q, k, v, ...) / explain_decode(...): which backend serves a call, and why
+    mla_autograd.nn.MultiHeadLatentAttention: the layer
+    mla_autograd.reference: the pure-PyTorch path
+"""
+from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
+from . import reference
+from .functional import attention, attention_varlen, decode, explain, explain_decode
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_varlen", "decode", "explain", "explain_decode", "reference", "nn"]
+
+
+def __getattr__(name):
+    if name == "nn":  # imported lazily: the layer pulls in more than the ops need
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'mla_autograd' has no attribute {name!r}")

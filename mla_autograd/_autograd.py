@@ -1,0 +1,45 @@
+"""The autograd Function that pairs the fused forward with the fused backward."""
+from __future__ import annotations
+
+import torch
+
+from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
+
+__all__ = ["FusedAttentionFunction"]
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("mla_autograd.attention does not support double backward (differentiating "
+                       "gradients taken with create_graph=True through the attention op)")
+
+
+# Backward-of-backward lands on attn_bwd: give it a formula that says so plainly.
+torch.library.register_autograd("mla_autograd::attn_bwd", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
+class FusedAttentionFunction(torch.autograd.Function):
+    """Dense or varlen attention: forward = mla_autograd::attn_fwd, backward = mla_autograd::attn_bwd.
+
+    Saves q, k, v, out and the float32 LSE (never the attention matrix); the backward recomputes P.
+    The LSE output is returned as non-differentiable, as in FlashAttention. Double backward is not
+    supported and raises.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, bottom_right, deterministic):
+        out, lse = torch.ops.mla_autograd.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, softmax_scale, causal, bottom_right)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, causal, bottom_right, deterministic = ctx.args
+        dq, dk, dv = torch.ops.mla_autograd.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
+                                                     causal, bottom_right, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None

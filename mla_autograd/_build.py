@@ -1,0 +1,249 @@
+"""JIT build of the CUDA kernel families.
+
+Each family is one extension module built from ``csrc/<dir>/<family>*.{cu,cpp}`` with its own
+architecture flags, so an sm_100a instantiation never sees an sm_80 flag and vice versa. Modules
+are built on first use with torch.utils.cpp_extension + ninja into a cache directory whose name
+hashes the sources (headers included), the flags, and the torch / CUDA / CUTLASS versions; a file
+lock serialises concurrent builds of the same family. ``python -m mla_autograd.build`` prebuilds
+(and CI compile-checks) families for named architectures.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["FAMILIES", "Family", "load_family", "family_available", "csrc_dir", "cutlass_dirs"]
+
+# gencode flag per architecture name; "a" targets enable wgmma/setmaxnreg (sm_90a) and tcgen05 (sm_100a).
+_GENCODE = {
+    "sm_80": "-gencode=arch=compute_80,code=sm_80",
+    "sm_90": "-gencode=arch=compute_90,code=sm_90",
+    "sm_90a": "-gencode=arch=compute_90a,code=sm_90a",
+    "sm_100a": "-gencode=arch=compute_100a,code=sm_100a",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One kernel family = one extension module.
+
+    name: module/family name, also the prefix of its source files.
+    subdir: directory under csrc/ holding the sources.
+    archs: architectures every build of this family targets.
+    capabilities: compute capabilities (major, minor) the built code runs on.
+    """
+
+    name: str
+    subdir: str
+    archs: tuple[str, ...]
+    capabilities: tuple[tuple[int, int], ...]
+
+    def sources(self) -> list[Path]:
+        d = csrc_dir() / self.subdir
+        if not d.is_dir():
+            return []
+        return sorted(p for p in d.iterdir()
+                      if p.name.startswith(self.name) and p.suffix in (".cu", ".cpp"))
+
+    def matches_arch(self, arch: str) -> bool:
+        # "sm_90" and "sm_90a" name the same chip for the purpose of choosing what to build.
+        base = arch.rstrip("a")
+        return any(a.rstrip("a") == base for a in self.archs)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("fmha_fwd_sm90", "sm90", ("sm_90a",), ((9, 0),)),
+    Family("fmha_bwd_sm90", "sm90", ("sm_90a",), ((9, 0),)),
+    Family("fmha_fwd_sm100", "sm100", ("sm_100a",), ((10, 0),)),
+    Family("fmha_bwd_sm100", "sm100", ("sm_100a",), ((10, 0),)),
+    # mma.sync/cp.async/ldmatrix code: native sm_80 and sm_90 cubins; the sm_80 cubin also runs on 8.6/8.9.
+    Family("mla_decode_sm80", "sm80", ("sm_80", "sm_90"), ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))),
+)}
+
+
+def csrc_dir() -> Path:
+    """The csrc/ tree: beside the package in a checkout or editable install, else shipped inside it."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "csrc", here / "_csrc"):
+        if cand.is_dir():
+            return cand
+    return here.parent / "csrc"
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_dirs() -> tuple[Path, Path] | None:
+    """(include, examples) of the installed nvidia-cutlass wheel, or None if it is not installed."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0]) / "source"
+    inc, ex = root / "include", root / "examples"
+    if not (inc / "cute").is_dir():
+        return None
+    return inc, ex
+
+
+def _looks_like_cuda_home(d: str | None) -> bool:
+    return bool(d) and os.path.isfile(os.path.join(d, "include", "cuda_runtime.h")) and \
+        os.path.isdir(os.path.join(d, "lib64"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_home() -> str | None:
+    """The CUDA toolkit root. torch guesses it from `which nvcc`, which is wrong when nvcc is a
+    wrapper script outside the toolkit (e.g. /usr/local/bin/nvcc): then -lcudart is not found."""
+    from torch.utils import cpp_extension
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME, "/usr/local/cuda"]
+    import shutil
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:  # follow a wrapper script's `exec /path/to/bin/nvcc`
+            text = open(nvcc, "rb").read(4096).decode("utf-8", "ignore")
+            for tok in text.split():
+                if tok.endswith("/bin/nvcc"):
+                    cands.insert(3, os.path.dirname(os.path.dirname(tok)))
+        except OSError:
+            pass
+    for c in cands:
+        if _looks_like_cuda_home(c):
+            if cpp_extension.CUDA_HOME != c:
+                cpp_extension.CUDA_HOME = c  # the ninja file takes include/lib paths from this global
+            return c
+    return None
+
+
+def _cccl_dirs() -> list[str]:
+    # g++ (for .cpp files that include CUTLASS) needs CCCL's include dir; nvcc finds it by itself.
+    homes = [h for h in (_cuda_home(), os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h]
+    for h in homes:
+        for sub in ("include/cccl", "targets/x86_64-linux/include/cccl", "targets/sbsa-linux/include/cccl"):
+            d = os.path.join(h, sub)
+            if os.path.isdir(d):
+                return [d]
+    return []
+
+
+def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list[str]]:
+    """(include dirs, C++ flags, nvcc flags) for a family."""
+    cut = cutlass_dirs()
+    if cut is None:
+        raise RuntimeError("mla_autograd: the CUDA kernels need CUTLASS/CuTe headers from "
+                           "`pip install nvidia-cutlass==4.2.0.0`")
+    inc, ex = cut
+    includes = [str(csrc_dir()), str(inc), str(ex), str(ex / "common")] + _cccl_dirs()
+    # torch >= 2.12 headers need C++20; CUTLASS 4.2 compiles as C++17 or C++20.
+    cflags = ["-O3", "-std=c++20"]
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+            "-lineinfo", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+    nvcc += [_GENCODE[a] for a in fam.archs]
+    if ptxas_verbose:
+        nvcc.append("-Xptxas=-v")
+    return includes, cflags, nvcc
+
+
+def _fingerprint(fam: Family, flags: tuple) -> str:
+    import torch
+    h = hashlib.sha256()
+    roots = [csrc_dir() / fam.subdir, csrc_dir() / "common"]
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and p.suffix in (".cu", ".cpp", ".cuh", ".h", ".hpp"):
+                # Headers of the directory count for every family in it: a shared header change rebuilds all.
+                h.update(str(p.relative_to(csrc_dir())).encode())
+                h.update(p.read_bytes())
+    h.update(repr(flags).encode())
+    h.update(torch.__version__.encode())
+    h.update(str(torch.version.cuda).encode())
+    try:
+        from importlib.metadata import version
+        h.update(version("nvidia-cutlass").encode())
+    except Exception:  # pragma: no cover - cutlass missing is reported by _flags
+        pass
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    env = os.environ.get("MLA_AUTOGRAD_CACHE")
+    if env:
+        return Path(env)
+    import torch
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return base / "mla_autograd" / tag
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_loaded: dict[str, ModuleType] = {}
+_load_lock = threading.Lock()
+
+
+def family_available(name: str) -> tuple[bool, str]:
+    """Whether a family could be built here: (ok, reason if not). Does not build."""
+    fam = FAMILIES[name]
+    if not fam.sources():
+        return False, f"kernel family {name} has no sources in csrc/{fam.subdir}/"
+    if cutlass_dirs() is None:
+        return False, "nvidia-cutlass (CUTLASS/CuTe headers) is not installed"
+    if _cuda_home() is None:
+        return False, "no CUDA toolkit (nvcc) found to build the kernels"
+    return True, ""
+
+
+def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False) -> ModuleType:
+    """Build (once, cached on disk) and import the extension module of a kernel family."""
+    key = f"{name}:{ptxas_verbose}"
+    mod = _loaded.get(key)
+    if mod is not None:
+        return mod
+    with _load_lock:
+        if key in _loaded:
+            return _loaded[key]
+        fam = FAMILIES[name]
+        ok, why = family_available(name)
+        if not ok:
+            raise RuntimeError(f"mla_autograd: cannot build {name}: {why}")
+        from torch.utils import cpp_extension
+        includes, cflags, nvcc = _flags(fam, ptxas_verbose)
+        fp = _fingerprint(fam, (includes, cflags, nvcc))
+        build_dir = cache_root() / f"{name}-{fp}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        marker = build_dir / ".built"
+        with _file_lock(build_dir.parent / f".{name}-{fp}.lock"):
+            if not marker.exists():
+                print(f"mla_autograd: building {name} for {' '.join(fam.archs)} (first use; cached in {build_dir})",
+                      file=sys.stderr, flush=True)
+            mod = cpp_extension.load(
+                name=f"mla_autograd_{name}_{fp}",
+                sources=[str(p) for p in fam.sources()],
+                extra_include_paths=includes,
+                extra_cflags=cflags,
+                extra_cuda_cflags=nvcc,
+                build_directory=str(build_dir),
+                verbose=verbose,
+                with_cuda=True,
+            )
+            marker.touch()
+        _loaded[key] = mod
+        return mod

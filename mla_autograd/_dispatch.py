@@ -1,0 +1,175 @@
+"""The one dispatch table: which backend serves which (arch, dtype, head dims, features).
+
+Rows are tried in order; the first whose conditions all hold serves the call. The pure-PyTorch
+reference is the last row of every op and accepts anything. ``explain`` reports the chosen row and
+why every earlier row was passed over, so a user can see which path will run and why.
+
+Environment:
+  MLA_AUTOGRAD_BACKEND=reference   always use the reference path.
+  MLA_AUTOGRAD_STRICT=1            raise instead of falling back to the reference path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+from . import _build
+
+__all__ = ["Call", "Route", "Decision", "TABLE", "select", "explain_call"]
+
+KERNEL_DTYPES = frozenset({torch.bfloat16, torch.float16})
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a dispatch decision depends on (metadata only: no tensor values are read)."""
+
+    op: str                       # "attn_fwd", "attn_bwd" or "decode"
+    device: torch.device
+    dtype: torch.dtype
+    dims: tuple[int, int]         # (Dqk, Dv) for attention; (Dc, Dr) for decode
+    causal: bool = False
+    varlen: bool = False
+    num_heads: int = 0            # query heads
+    num_kv_heads: int = 0
+    seqlen_q: int = 0             # Sq (decode: new tokens per request)
+    page_size: int = 0            # decode only
+    deterministic: bool = False
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.get_device_capability(self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One row of the table.
+
+    op: which op it serves; backend: short name; family: kernel family (None = reference).
+    capability: predicate on the device's (major, minor); dtypes / dims: accepted sets (None = any);
+    check: further conditions, returning a reason string when the call is not served (else None).
+    """
+
+    op: str
+    backend: str
+    family: str | None
+    capability: Callable[[tuple[int, int]], bool] | None
+    capability_text: str
+    dtypes: frozenset | None
+    dims: frozenset | None
+    check: Callable[[Call], str | None] | None = None
+    note: str = ""
+
+    def rejects(self, call: Call) -> str | None:
+        """Why this row does not serve the call, or None if it does."""
+        if self.family is None:
+            return None
+        cap = call.capability
+        if cap is None:
+            return f"tensors are on {call.device.type}, kernels need CUDA"
+        if not self.capability(cap):
+            return f"needs compute capability {self.capability_text}, device has {cap[0]}.{cap[1]}"
+        if self.dtypes is not None and call.dtype not in self.dtypes:
+            return f"dtype {str(call.dtype).replace('torch.', '')} (kernels take bfloat16/float16)"
+        if self.dims is not None and call.dims not in self.dims:
+            return f"head dims {call.dims} not in {sorted(self.dims)}"
+        if self.check is not None:
+            why = self.check(call)
+            if why:
+                return why
+        ok, why = _build.family_available(self.family)
+        if not ok:
+            return why
+        return None
+
+
+def _decode_check(call: Call) -> str | None:
+    if call.num_heads not in (8, 16, 32, 64, 128):
+        return f"num_heads {call.num_heads} not in (8, 16, 32, 64, 128)"
+    if not 1 <= call.seqlen_q <= 8:
+        return f"{call.seqlen_q} new tokens per request (kernel takes 1..8)"
+    ps = call.page_size
+    if ps < 1 or ps > 256 or ps & (ps - 1):
+        return f"page_size {ps} is not a power of two in 1..256"
+    return None
+
+
+_ATTN_DIMS_SM90 = frozenset({(192, 128), (128, 128), (64, 64)})
+_ATTN_DIMS_SM100 = frozenset({(192, 128), (128, 128)})
+
+TABLE: tuple[Route, ...] = (
+    Route("attn_fwd", "sm100", "fmha_fwd_sm100", lambda c: c[0] == 10, "10.x",
+          KERNEL_DTYPES, _ATTN_DIMS_SM100, note="CUTLASS example-77 tcgen05/TMEM forward (compiled, not run here)"),
+    Route("attn_fwd", "sm90", "fmha_fwd_sm90", lambda c: c == (9, 0), "9.0",
+          KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized forward"),
+    Route("attn_fwd", "reference", None, None, "any", None, None, note="pure PyTorch"),
+    Route("attn_bwd", "sm100", "fmha_bwd_sm100", lambda c: c[0] == 10, "10.x",
+          KERNEL_DTYPES, _ATTN_DIMS_SM100, note="CUTLASS example-77 tcgen05/TMEM backward (compiled, not run here)"),
+    Route("attn_bwd", "sm90", "fmha_bwd_sm90", lambda c: c == (9, 0), "9.0",
+          KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized backward"),
+    Route("attn_bwd", "reference", None, None, "any", None, None, note="pure PyTorch (explicit FlashAttention backward)"),
+    Route("decode", "sm80_decode", "mla_decode_sm80", lambda c: c >= (8, 0), ">= 8.0",
+          KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check, note="mma.sync paged MLA decode"),
+    Route("decode", "reference", None, None, "any", None, None, note="pure PyTorch"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    op: str
+    backend: str
+    family: str | None
+    passed_over: tuple[tuple[str, str], ...]  # (backend, reason) of the rows tried before
+
+    @property
+    def reason(self) -> str:
+        if self.family is not None:
+            return f"{self.backend} kernel ({self.family})"
+        if os.environ.get("MLA_AUTOGRAD_BACKEND") == "reference":
+            return "MLA_AUTOGRAD_BACKEND=reference"
+        return "; ".join(f"{b}: {why}" for b, why in self.passed_over) or "no kernel row for this op"
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.backend}" + (f" ({self.family})" if self.family else "")]
+        for b, why in self.passed_over:
+            lines.append(f"  not {b}: {why}")
+        return "\n".join(lines)
+
+
+def explain_call(call: Call) -> Decision:
+    forced = os.environ.get("MLA_AUTOGRAD_BACKEND")
+    passed: list[tuple[str, str]] = []
+    for row in TABLE:
+        if row.op != call.op:
+            continue
+        if forced and row.family is not None and row.backend != forced:
+            passed.append((row.backend, f"MLA_AUTOGRAD_BACKEND={forced}"))
+            continue
+        why = row.rejects(call)
+        if why is None:
+            return Decision(call.op, row.backend, row.family, tuple(passed))
+        passed.append((row.backend, why))
+    raise AssertionError(f"dispatch table has no fallback row for {call.op}")  # pragma: no cover
+
+
+_warned: set[str] = set()
+
+
+def select(call: Call) -> Decision:
+    """Choose the backend for a call; announce reference fallbacks once per reason."""
+    d = explain_call(call)
+    if d.family is None:
+        msg = (f"mla_autograd: {call.op} on {call.device.type} ({str(call.dtype).replace('torch.', '')}, "
+               f"dims {call.dims}) runs on the pure-PyTorch reference path: {d.reason}")
+        if os.environ.get("MLA_AUTOGRAD_STRICT", "0") not in ("", "0"):
+            raise RuntimeError(msg + " (MLA_AUTOGRAD_STRICT=1 forbids the fallback)")
+        if msg not in _warned:
+            _warned.add(msg)
+            warnings.warn(msg, stacklevel=4)
+    return d

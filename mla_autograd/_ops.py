@@ -1,0 +1,139 @@
+"""torch.library custom ops with fake (meta) implementations.
+
+``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd`` and ``mla_autograd::mla_decode`` are opaque
+to torch.compile (no graph breaks): their fake implementations give output shapes, and at run time
+they allocate outputs, consult the dispatch table and call the chosen backend (a kernel family or
+the reference path). Inputs here are already validated by the functional API.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _build, reference
+from ._dispatch import Call, select
+
+__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "attention_call", "decode_call"]
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
+    # dense (B, Hq, Sq); varlen (Hq, Tq)
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _kernel_ready(t: Tensor) -> Tensor:
+    """Unit last stride, other strides multiples of 8 elements (16-byte TMA/cp.async strides), 16-byte
+    aligned base: what every kernel family assumes. Anything else is copied once here."""
+    ok = t.stride(-1) == 1 or t.shape[-1] == 1
+    ok = ok and all((s % 8 == 0) or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    ok = ok and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()
+
+
+def attention_call(op: str, q: Tensor, k: Tensor, v: Tensor, varlen: bool, causal: bool,
+                   deterministic: bool = False) -> Call:
+    return Call(op=op, device=q.device, dtype=q.dtype, dims=(q.shape[-1], v.shape[-1]), causal=causal,
+                varlen=varlen, num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
+                seqlen_q=q.shape[-3], deterministic=deterministic)
+
+
+def decode_call(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Call:
+    return Call(op="decode", device=q_nope.device, dtype=q_nope.dtype, dims=(q_nope.shape[-1], q_pe.shape[-1]),
+                causal=True, num_heads=q_nope.shape[2], num_kv_heads=1, seqlen_q=q_nope.shape[1],
+                page_size=ckv_cache.shape[1])
+
+
+def _empty_problem(q: Tensor, k: Tensor) -> bool:
+    return q.numel() == 0 or k.shape[-3] == 0
+
+
+@torch.library.custom_op("mla_autograd::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+             bottom_right: bool) -> tuple[Tensor, Tensor]:
+    varlen = cu_seqlens_q is not None
+    if _empty_problem(q, k):
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        return out, torch.full(_lse_shape(q, varlen), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    d = select(attention_call("attn_fwd", q, k, v, varlen, causal))
+    if d.family is None:
+        return reference.attention_forward(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right)
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    _build.load_family(d.family).fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, softmax_scale, causal, bottom_right)
+    return out, lse
+
+
+@attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right):
+    varlen = cu_seqlens_q is not None
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(_lse_shape(q, varlen), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("mla_autograd::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+             max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
+             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    varlen = cu_seqlens_q is not None
+    if _empty_problem(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d = select(attention_call("attn_bwd", q, k, v, varlen, causal, deterministic))
+    if d.family is None:
+        return reference.attention_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, bottom_right=bottom_right)
+    # dout from autograd may be expanded (stride 0) or strided: kernels take a dense copy.
+    dout = dout.contiguous()
+    q, k, v, out = (_kernel_ready(t) for t in (q, k, v, out))
+    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+    _build.load_family(d.family).bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
+                                     deterministic)
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      causal, bottom_right, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("mla_autograd::mla_decode", mutates_args=())
+def mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
+               cache_seqlens: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    B, Sq, H, Dc = q_nope.shape
+    if q_nope.numel() == 0:
+        return q_nope.new_zeros(B, Sq, H, Dc), torch.full((B, H, Sq), float("-inf"), dtype=_lse_dtype(q_nope),
+                                                           device=q_nope.device)
+    d = select(decode_call(q_nope, q_pe, ckv_cache))
+    if d.family is None:
+        return reference.decode_forward(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
+                                        softmax_scale=softmax_scale, causal=causal)
+    q_nope, q_pe = _kernel_ready(q_nope), _kernel_ready(q_pe)
+    out = q_nope.new_empty(B, Sq, H, Dc)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q_nope.device)
+    _build.load_family(d.family).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table.contiguous(),
+                                        cache_seqlens.contiguous(), out, lse, softmax_scale, causal)
+    return out, lse
+
+
+@mla_decode.register_fake
+def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, causal):
+    B, Sq, H, Dc = q_nope.shape
+    return q_nope.new_empty(B, Sq, H, Dc), q_nope.new_empty((B, H, Sq), dtype=_lse_dtype(q_nope))

@@ -1,0 +1,132 @@
+"""Public functional API: attention, attention_varlen, decode, explain."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _validate as V
+from ._autograd import FusedAttentionFunction
+from ._dispatch import explain_call
+from ._ops import attention_call, decode_call
+
+__all__ = ["attention", "attention_varlen", "decode", "explain", "explain_decode"]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_align: str = "bottom_right",
+              softmax_scale: float | None = None, deterministic: bool = False, return_lse: bool = False):
+    """Fused scaled-dot-product attention with (optionally) different q/k and v head dims.
+
+    Args:
+        q: (B, Sq, Hq, Dqk) bfloat16/float16 (kernels) or float32/float64 (reference path).
+        k: (B, Sk, Hkv, Dqk), same dtype and device; Hq must be a multiple of Hkv (GQA/MQA:
+            query head h uses key/value head h // (Hq // Hkv)).
+        v: (B, Sk, Hkv, Dv).
+            All three may be non-contiguous as long as the last dim has stride 1.
+        causal: apply a causal mask.
+        causal_align: "bottom_right" (FlashAttention >= 2.1: query i sees keys j <= i + Sk - Sq) or
+            "top_left" (PyTorch SDPA is_causal: j <= i). A query that sees no key gets output 0,
+            LSE -inf and zero gradients.
+        softmax_scale: default 1/sqrt(Dqk).
+        deterministic: bit-reproducible backward (slower where the kernel must order its reductions).
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        out (B, Sq, Hq, Dv) in q's dtype; with return_lse also lse (B, Hq, Sq) float32 (float64 for
+        float64 inputs), natural log of sum_j exp(softmax_scale * q.k_j). lse is not differentiable.
+
+    Kernels: (Dqk, Dv) in {(192, 128), (128, 128), (64, 64)} on SM90 / (192, 128), (128, 128) on SM100;
+    anything else runs the reference path (see mla_autograd.explain).
+    """
+    V.check_attention(q, k, v)
+    scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = FusedAttentionFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal),
+                                            bottom_right, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     causal_align: str = "bottom_right", softmax_scale: float | None = None,
+                     deterministic: bool = False, return_lse: bool = False):
+    """Attention over packed variable-length sequences (no padding).
+
+    Args:
+        q: (Tq, Hq, Dqk), the B query sequences concatenated; k: (Tk, Hkv, Dqk); v: (Tk, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device, cumulative lengths starting at 0
+            and ending at Tq / Tk; sequence b is rows cu[b]:cu[b+1]. Lengths may be 0.
+        max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence (they size kernel grids).
+        Keywords as in `attention`; the causal offset is taken per sequence.
+
+    Returns:
+        out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32.
+    """
+    V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = FusedAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                            int(max_seqlen_k), scale, bool(causal), bottom_right,
+                                            bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
+           cache_seqlens: Tensor, *, softmax_scale: float, causal: bool = True, return_lse: bool = False):
+    """Weight-absorbed MLA decode over a paged latent cache. Inference only.
+
+    Every query head attends to the shared latent K = [ckv, kpe] (512 + 64) and V = ckv (512).
+
+    Args:
+        q_nope: (B, Sq, H, Dc) absorbed queries (W_UK folded in), Dc = kv_lora_rank (512 for the kernel).
+        q_pe: (B, Sq, H, Dr) roped query part, Dr = 64 for the kernel.
+        ckv_cache: (num_pages, page_size, Dc) normalised latents; kpe_cache: (num_pages, page_size, Dr)
+            roped keys. May be views of one (num_pages, page_size, Dc + Dr) buffer.
+        block_table: int32 (B, max_pages): page indices of each request, in order.
+        cache_seqlens: int32 (B,): tokens in the cache per request, the Sq new ones included
+            (0 marks an idle slot: its output is 0 and its lse -inf).
+        softmax_scale: required (e.g. 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN mscale^2).
+        causal: new token i sees cache positions <= cache_seqlens - Sq + i; else all positions.
+        return_lse: also return lse (B, H, Sq) float32.
+
+    Returns:
+        out (B, Sq, H, Dc) in q_nope's dtype [, lse].
+    """
+    V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale)
+    V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)
+    out, lse = torch.ops.mla_autograd.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
+                                                 float(softmax_scale), bool(causal))
+    return (out, lse) if return_lse else out
+
+
+class Explanation:
+    """Which backend serves the forward and the backward of a call, and why."""
+
+    def __init__(self, *decisions):
+        self.decisions = decisions
+
+    def __getattr__(self, name):
+        for d in self.decisions:
+            if d.op in (name, {"forward": "attn_fwd", "backward": "attn_bwd"}.get(name)):
+                return d
+        raise AttributeError(name)
+
+    def __str__(self):
+        return "\n".join(str(d) for d in self.decisions)
+
+    __repr__ = __str__
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, varlen: bool = False,
+            deterministic: bool = False) -> Explanation:
+    """Say which backend `attention` / `attention_varlen` would use for these tensors, and why.
+
+    ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of
+    the dispatch table passed over with its reason. Reads only metadata.
+    """
+    return Explanation(explain_call(attention_call("attn_fwd", q, k, v, varlen, causal)),
+                       explain_call(attention_call("attn_bwd", q, k, v, varlen, causal, deterministic)))
+
+
+def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanation:
+    """Say which backend `decode` would use for these tensors, and why."""
+    return Explanation(explain_call(decode_call(q_nope, q_pe, ckv_cache)))

@@ -1,0 +1,71 @@
+"""mla_autograd.decode on CPU (reference path): against explicit per-head attention over the cache."""
+import pytest
+import torch
+
+import mla_autograd as M
+from mla_autograd.testing import random_paged_cache
+
+
+def _expected(q_nope, q_pe, ckv, kpe, table, lens, scale, causal):
+    B, Sq, H, Dc = q_nope.shape
+    out = torch.zeros(B, Sq, H, Dc, dtype=torch.float64)
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float64)
+    ps = ckv.shape[1]
+    for b in range(B):
+        L = int(lens[b])
+        if L == 0:
+            continue
+        rows = [(int(table[b, p // ps]), p % ps) for p in range(L)]
+        K = torch.stack([torch.cat([ckv[pg, r], kpe[pg, r]]) for pg, r in rows]).double()
+        Vv = K[:, :Dc]
+        q = torch.cat([q_nope[b], q_pe[b]], -1).double()  # (Sq, H, 576)
+        s = torch.einsum("ihd,jd->hij", q, K) * scale
+        if causal:
+            vis = torch.arange(L)[None, :] <= (L - Sq + torch.arange(Sq))[:, None]
+            s = s.masked_fill(~vis, float("-inf"))
+        l = torch.logsumexp(s, -1)
+        p = torch.nan_to_num(torch.exp(s - l[..., None]), nan=0.0)
+        out[b] = torch.einsum("hij,jd->ihd", p, Vv)
+        lse[b] = l
+    return out, lse
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("sq,causal", [(1, True), (3, True), (2, False)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_reference_paged(page_size, sq, causal, fused):
+    lens = torch.tensor([0, 5, 17, 3, 40], dtype=torch.int32)
+    lens = torch.where((lens > 0) & (lens < sq), torch.full_like(lens, sq), lens)
+    ckv, kpe, table = random_paged_cache(lens, page_size=page_size, dim_ckv=32, dim_kpe=8,
+                                         dtype=torch.float64, fused=fused)
+    B, H = len(lens), 4
+    q_nope = torch.randn(B, sq, H, 32, dtype=torch.float64)
+    q_pe = torch.randn(B, sq, H, 8, dtype=torch.float64)
+    out, lse = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, causal=causal, return_lse=True)
+    exp_out, exp_lse = _expected(q_nope, q_pe, ckv, kpe, table, lens, 0.2, causal)
+    assert torch.isfinite(out).all(), "NaN from an unused page leaked into the output"
+    torch.testing.assert_close(out, exp_out)
+    torch.testing.assert_close(lse, exp_lse)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()  # idle slot
+
+
+def test_decode_bf16_shapes():
+    lens = torch.tensor([7, 1], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dtype=torch.bfloat16)
+    q_nope, q_pe = torch.randn(2, 1, 8, 512).bfloat16(), torch.randn(2, 1, 8, 64).bfloat16()
+    out, lse = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=192 ** -0.5, return_lse=True)
+    assert out.shape == (2, 1, 8, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+
+
+def test_decode_is_inference_only():
+    lens = torch.tensor([3], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=8, dim_kpe=4, dtype=torch.float32)
+    q_nope = torch.randn(1, 1, 2, 8, requires_grad=True)
+    q_pe = torch.randn(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="inference only"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
+    with torch.no_grad():
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
+    with torch.inference_mode():
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)

@@ -1,0 +1,102 @@
+"""The dispatch table: which backend is chosen and why, with faked devices."""
+import pytest
+import torch
+
+import mla_autograd as M
+from mla_autograd import _build, _dispatch
+from mla_autograd._dispatch import Call, explain_call
+
+
+def call(op="attn_fwd", cap=(9, 0), dtype=torch.bfloat16, dims=(192, 128), **kw):
+    c = Call(op=op, device=torch.device("cuda", 0), dtype=dtype, dims=dims, num_heads=16, num_kv_heads=16,
+             seqlen_q=128, **kw)
+    return c, cap
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend to be on a GPU of a given capability with every kernel family buildable."""
+    state = {"cap": (9, 0)}
+    monkeypatch.setattr(Call, "capability", property(lambda self: state["cap"]))
+    monkeypatch.setattr(_build, "family_available", lambda name: (True, ""))
+    return state
+
+
+@pytest.mark.parametrize("cap,dims,dtype,expect", [
+    ((9, 0), (192, 128), torch.bfloat16, "sm90"),
+    ((9, 0), (128, 128), torch.float16, "sm90"),
+    ((9, 0), (64, 64), torch.bfloat16, "sm90"),
+    ((10, 0), (192, 128), torch.bfloat16, "sm100"),
+    ((10, 0), (128, 128), torch.float16, "sm100"),
+    ((10, 0), (64, 64), torch.bfloat16, "reference"),
+    ((9, 0), (256, 256), torch.bfloat16, "reference"),
+    ((9, 0), (192, 128), torch.float32, "reference"),
+    ((8, 0), (192, 128), torch.bfloat16, "reference"),
+    ((12, 0), (192, 128), torch.bfloat16, "reference"),
+])
+@pytest.mark.parametrize("op", ["attn_fwd", "attn_bwd"])
+def test_attention_routes(fake_gpu, cap, dims, dtype, expect, op):
+    fake_gpu["cap"] = cap
+    c, _ = call(op=op, dims=dims, dtype=dtype)
+    d = explain_call(c)
+    assert d.backend == expect, str(d)
+
+
+def test_reasons_name_the_condition(fake_gpu):
+    fake_gpu["cap"] = (8, 6)
+    d = explain_call(call(dims=(192, 128))[0])
+    text = str(d)
+    assert "not sm90: needs compute capability 9.0, device has 8.6" in text
+    assert "not sm100: needs compute capability 10.x" in text
+    fake_gpu["cap"] = (9, 0)
+    d = explain_call(call(dims=(96, 96))[0])
+    assert "head dims (96, 96) not in" in str(d)
+
+
+@pytest.mark.parametrize("cap,heads,sq,page,expect", [
+    ((8, 0), 128, 1, 64, "sm80_decode"),
+    ((9, 0), 16, 4, 1, "sm80_decode"),
+    ((8, 9), 8, 8, 256, "sm80_decode"),
+    ((10, 0), 64, 2, 16, "sm80_decode"),
+    ((7, 5), 16, 1, 64, "reference"),
+    ((9, 0), 12, 1, 64, "reference"),
+    ((9, 0), 16, 9, 64, "reference"),
+    ((9, 0), 16, 1, 48, "reference"),
+])
+def test_decode_routes(fake_gpu, cap, heads, sq, page, expect):
+    fake_gpu["cap"] = cap
+    c = Call(op="decode", device=torch.device("cuda", 0), dtype=torch.bfloat16, dims=(512, 64), causal=True,
+             num_heads=heads, num_kv_heads=1, seqlen_q=sq, page_size=page)
+    assert explain_call(c).backend == expect
+
+
+def test_forced_reference_and_strict(fake_gpu, monkeypatch):
+    c, _ = call()
+    monkeypatch.setenv("MLA_AUTOGRAD_BACKEND", "reference")
+    d = explain_call(c)
+    assert d.backend == "reference" and "MLA_AUTOGRAD_BACKEND=reference" in str(d)
+    monkeypatch.setenv("MLA_AUTOGRAD_STRICT", "1")
+    with pytest.raises(RuntimeError, match="MLA_AUTOGRAD_STRICT=1 forbids"):
+        _dispatch.select(c)
+
+
+def test_cpu_explain_and_warning_once(monkeypatch):
+    q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)
+    e = M.explain(q, k, v, causal=True)
+    assert e.forward.backend == "reference" and e.backward.backend == "reference"
+    assert "kernels need CUDA" in str(e)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    with pytest.warns(UserWarning, match="reference path: .*kernels need CUDA"):
+        M.attention(q, k, v)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        M.attention(q, k, v)  # announced once per reason
+
+
+def test_missing_family_falls_back_with_reason(monkeypatch):
+    monkeypatch.setattr(Call, "capability", property(lambda self: (9, 0)))
+    monkeypatch.setattr(_build, "family_available",
+                        lambda name: (False, f"kernel family {name} has no sources in csrc/sm90/"))
+    d = explain_call(call()[0])
+    assert d.backend == "reference" and "fmha_fwd_sm90 has no sources" in str(d)

@@ -1,0 +1,76 @@
+"""torch.library wiring: opcheck on every op, torch.compile(fullgraph=True) without graph breaks."""
+import pytest
+import torch
+
+import mla_autograd as M
+from mla_autograd.testing import random_paged_cache
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def test_opcheck_attn_fwd_bwd_dense():
+    q, k, v = torch.randn(2, 5, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 6)
+    out, lse = torch.ops.mla_autograd.attn_fwd(q, k, v, None, None, 5, 7, 0.3, True, True)
+    torch.library.opcheck(torch.ops.mla_autograd.attn_fwd.default, (q, k, v, None, None, 5, 7, 0.3, True, True))
+    do = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.mla_autograd.attn_bwd.default,
+                          (do, q, k, v, out, lse, None, None, 5, 7, 0.3, True, True, False))
+
+
+def test_opcheck_attn_varlen():
+    cq, ck = _cu([2, 0, 3]), _cu([3, 2, 1])
+    q, k, v = torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    args = (q, k, v, cq, ck, 3, 3, 0.3, False, True)
+    torch.library.opcheck(torch.ops.mla_autograd.attn_fwd.default, args)
+
+
+def test_opcheck_decode():
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=16, dim_kpe=8, dtype=torch.float32)
+    args = (torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8), ckv, kpe, table, lens, 0.2, True)
+    torch.library.opcheck(torch.ops.mla_autograd.mla_decode.default, args)
+
+
+def test_compile_fullgraph_dense_fwd_bwd():
+    q = torch.randn(2, 9, 4, 16, requires_grad=True)
+    k = torch.randn(2, 11, 2, 16, requires_grad=True)
+    v = torch.randn(2, 11, 2, 8, requires_grad=True)
+
+    def f(q, k, v):
+        out, lse = M.attention(q, k, v, causal=True, return_lse=True)
+        return (out * 2).sum() + lse.sum().detach()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    g = torch.autograd.grad(loss, (q, k, v))
+    loss_e = f(q, k, v)
+    ge = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss, loss_e)
+    for a, b in zip(g, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_varlen_and_decode():
+    cq, ck = _cu([3, 4]), _cu([5, 2])
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    f = torch.compile(lambda q, k, v: M.attention_varlen(q, k, v, cq, ck, 4, 5, causal=True),
+                      fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v), M.attention_varlen(q, k, v, cq, ck, 4, 5, causal=True))
+
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=16, dim_kpe=8, dtype=torch.float32)
+    qn, qp = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8)
+    d = torch.compile(lambda a, b: M.decode(a, b, ckv, kpe, table, lens, softmax_scale=0.2), fullgraph=True,
+                      backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(d(qn, qp), M.decode(qn, qp, ckv, kpe, table, lens, softmax_scale=0.2))
+
+
+@pytest.mark.slow
+def test_compile_inductor():
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    f = torch.compile(lambda q: M.attention(q, q, q, causal=True).sum(), fullgraph=True)
+    f(q).backward()
+    assert q.grad is not None

@@ -1,0 +1,133 @@
+"""Every bad input gets an error that names the argument, before anything is computed."""
+import pytest
+import torch
+
+import mla_autograd as M
+from mla_autograd.testing import random_paged_cache
+
+
+def qkv(B=2, Sq=5, Sk=6, Hq=4, Hkv=2, D=8, Dv=8, dtype=torch.float32):
+    return torch.randn(B, Sq, Hq, D, dtype=dtype), torch.randn(B, Sk, Hkv, D, dtype=dtype), \
+        torch.randn(B, Sk, Hkv, Dv, dtype=dtype)
+
+
+def cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda q, k, v: (q.int(), k, v), TypeError, "q must be bfloat16"),
+    (lambda q, k, v: (q, k.double(), v), TypeError, "k has dtype float64 but q"),
+    (lambda q, k, v: (q, k, v.half()), TypeError, "v has dtype float16"),
+    (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
+    (lambda q, k, v: (q, k[..., :4], v), ValueError, "k head dim 4 must equal q head dim 8"),
+    (lambda q, k, v: (q, k, v[:, :3]), ValueError, "v shape"),
+    (lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"query heads \(3\) must be a multiple"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "k batch size 1 must equal q batch size 2"),
+    (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), ValueError,
+     "q must have stride 1 in its last dimension"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+])
+def test_attention_argument_errors(mutate, exc, match):
+    with pytest.raises(exc, match=match):
+        M.attention(*mutate(*qkv()))
+
+
+def test_attention_keyword_errors():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="causal_align must be 'top_left' or 'bottom_right'"):
+        M.attention(q, k, v, causal=True, causal_align="upper")
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        M.attention(q, k, v, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
+        M.attention(q, k, v, softmax_scale=torch.tensor(0.1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices (cpu + cuda)")
+def test_attention_device_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="k is on cuda"):
+        M.attention(q, k.cuda(), v)
+
+
+def test_varlen_errors():
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cq, ck = cu([3, 4]), cu([4, 5])
+    ok = dict(max_seqlen_q=4, max_seqlen_k=5)
+    M.attention_varlen(q, k, v, cq, ck, **ok)
+    cases = [
+        ((q, k, v, cq.long(), ck), ok, TypeError, "cu_seqlens_q must be int32"),
+        ((q, k, v, cq, ck[None]), ok, ValueError, "cu_seqlens_k must have 1 dimensions"),
+        ((q, k, v, cq, cu([4])), ok, ValueError, "cu_seqlens_q .* and cu_seqlens_k .* must both have length"),
+        ((q, k, v, torch.tensor([1, 3, 7], dtype=torch.int32), ck), ok, ValueError, r"cu_seqlens_q\[0\] must be 0"),
+        ((q, k, v, torch.tensor([0, 5, 4], dtype=torch.int32), ck), ok, ValueError, "cu_seqlens_q must be non-decreasing"),
+        ((q, k, v, cq, torch.tensor([0, 4, 8], dtype=torch.int32)), ok, ValueError,
+         r"cu_seqlens_k\[-1\] = 8 must equal the number of packed tokens \(9\)"),
+        ((q, k, v, cq, ck), dict(max_seqlen_q=3, max_seqlen_k=5), ValueError, "max_seqlen_q = 3 is smaller"),
+        ((q, k, v, cq, ck), dict(max_seqlen_q=4, max_seqlen_k=-1), ValueError, "max_seqlen_k must be a non-negative int"),
+        ((q[None], k, v, cq, ck), ok, ValueError, "q must have 3 dimensions"),
+    ]
+    for args, kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            M.attention_varlen(*args, **kw)
+
+
+def test_varlen_value_checks_can_be_disabled(monkeypatch):
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
+    # max_seqlen too small is not detected without value checks; shapes are still checked
+    M.attention_varlen(q, k, v, cu([3, 4]), cu([4, 5]), 4, 5)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        M.attention_varlen(q, k, v, cu([3, 4]).long(), cu([4, 5]), 4, 5)
+
+
+def _decode_args(B=2, Sq=1, H=4, page=4, lens=(5, 3)):
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens_t, page_size=page, dim_ckv=16, dim_kpe=8, dtype=torch.float32)
+    return dict(q_nope=torch.randn(B, Sq, H, 16), q_pe=torch.randn(B, Sq, H, 8), ckv_cache=ckv, kpe_cache=kpe,
+                block_table=table, cache_seqlens=lens_t)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(q_nope=torch.randn(2, 1, 4, 16).int()), TypeError, "q_nope must be bfloat16"),
+    (dict(q_pe=torch.randn(2, 1, 4, 8).double()), TypeError, "q_pe has dtype float64 but q_nope"),
+    (dict(q_pe=torch.randn(2, 1, 3, 8)), ValueError, r"q_pe shape .* must match q_nope"),
+    (dict(q_nope=torch.randn(2, 4, 16)), ValueError, "q_nope must have 4 dimensions"),
+    (dict(kpe_cache=torch.randn(6, 4, 4)), ValueError, "kpe_cache last dim 4 must equal q_pe head dim 8"),
+    (dict(ckv_cache=torch.randn(6, 4, 12)), ValueError, "ckv_cache last dim 12 must equal q_nope head dim 16"),
+    (dict(ckv_cache=torch.randn(6, 2, 16)), ValueError, "must agree in"),
+    (dict(block_table=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "block_table must be int32"),
+    (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, "block_table has 3 rows"),
+    (dict(cache_seqlens=torch.tensor([5, 3])), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_seqlens=torch.tensor([5], dtype=torch.int32)), ValueError, "cache_seqlens has length 1"),
+    (dict(cache_seqlens=torch.tensor([5, 99], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = 99 must be 0"),
+    (dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError, r"cache_seqlens\[0\] = -1"),
+    (dict(block_table=torch.full((2, 2), 1000, dtype=torch.int32)), ValueError, r"block_table\[0, 0\] = 1000 is not a page"),
+])
+def test_decode_errors(change, exc, match):
+    args = _decode_args()
+    args.update(change)
+    with torch.no_grad(), pytest.raises(exc, match=match):
+        M.decode(**args, softmax_scale=0.1)
+
+
+def test_decode_new_tokens_exceed_length():
+    args = _decode_args(Sq=4, lens=(5, 3))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 3 must be 0 .* the 4 new tokens"):
+        M.decode(**args, softmax_scale=0.1)
+
+
+def test_decode_requires_scale():
+    with torch.no_grad(), pytest.raises(ValueError, match="softmax_scale is required"):
+        M.decode(**_decode_args(), softmax_scale=None)
+
+
+def test_errors_write_nothing():
+    # A failing call must not touch caches or inputs: compare bytes before and after.
+    args = _decode_args()
+    before = {k: v.clone() for k, v in args.items()}
+    args["cache_seqlens"] = torch.tensor([5, 99], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(ValueError):
+        M.decode(**args, softmax_scale=0.1)
+    for k in ("ckv_cache", "kpe_cache", "block_table", "q_nope"):
+        assert torch.equal(torch.nan_to_num(args[k]), torch.nan_to_num(before[k]))
