@@ -1,0 +1,193 @@
+"""Benchmark mla_autograd.attention beside SDPA (cuDNN, flash, mem-efficient) and FlexAttention.
+
+Workloads as in ../shared/anchors/README.md: B=2 H=16 S=8192, (Dqk, Dv) in {(192,128), (128,128)},
+causal and not, bf16, random normal inputs. Median times; FLOPs: fwd = 2*B*H*Sq*Sk*(Dqk+Dv)
+(halved when causal), bwd = 2.5 x fwd, bwd time = (fwd+bwd) - fwd. Every implementation's output
+is checked against cuDNN's before it is timed, and the backend that served our op is recorded
+(a reference-path number is labelled as such, never as a kernel).
+
+    python bench/bench_attention.py                # the anchor workloads
+    python bench/bench_attention.py --sweep        # + S = 1k..16k at 16k tokens per batch (192/128)
+    python bench/bench_attention.py --quick        # S = 4096 only
+Writes bench/results/attention-<date>-<gpu>-<commit>.json and .png, and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, median_ms, stamp, write  # noqa: E402
+
+import mla_autograd as M  # noqa: E402
+
+
+def flops_fwd(B, H, Sq, Sk, dqk, dv, causal):
+    f = 2.0 * B * H * Sq * Sk * (dqk + dv)
+    return f / 2 if causal else f
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal, scale):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return run
+
+
+_flex_cache = {}
+
+
+def _flex(q, k, v, causal, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    key = (q.shape, causal)
+    if key not in _flex_cache:
+        fn = torch.compile(flex_attention, dynamic=False)
+        bm = None
+        if causal:
+            bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[2], k.shape[2],
+                                   device=q.device)
+        _flex_cache[key] = (fn, bm)
+    fn, bm = _flex_cache[key]
+    return fn(q, k, v, block_mask=bm, scale=scale)
+
+
+def peers():
+    from torch.nn.attention import SDPBackend
+    return {
+        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_mem_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "flex_attention": _flex,
+    }
+
+
+def bench_one(B, H, S, dqk, dv, causal, impls, do_bwd=True):
+    dev, dt = "cuda", torch.bfloat16
+    scale = dqk ** -0.5
+    # ours takes (B, S, H, D); SDPA/Flex take (B, H, S, D): separate contiguous tensors for each.
+    q = torch.randn(B, S, H, dqk, device=dev, dtype=dt)
+    k = torch.randn(B, S, H, dqk, device=dev, dtype=dt)
+    v = torch.randn(B, S, H, dv, device=dev, dtype=dt)
+    do = torch.randn(B, S, H, dv, device=dev, dtype=dt)
+    qt, kt, vt, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+    rows = []
+    ff = flops_fwd(B, H, S, S, dqk, dv, causal)
+    base = None
+    for name, fn in impls.items():
+        ours = name == "mla_autograd"
+        args = (q, k, v) if ours else (qt, kt, vt)
+        dout = do if ours else dot
+
+        def fwd():
+            return fn(*args, causal, scale)
+        row = {"impl": name, "B": B, "H": H, "S": S, "dqk": dqk, "dv": dv, "causal": causal}
+        if ours:
+            e = M.explain(q, k, v, causal=causal)
+            row["backend_fwd"], row["backend_bwd"] = e.forward.backend, e.backward.backend
+            if e.forward.backend == "reference" and B * H * S * S > 2 ** 28:
+                row["error"] = "no kernel here (reference path): not timed at this size"
+                rows.append(row)
+                continue
+        try:
+            with torch.no_grad():
+                out = fwd()
+            out_bhsd = out.transpose(1, 2) if ours else out
+            if base is None:
+                base = out_bhsd.float()
+            row["max_abs_diff_vs_first"] = (out_bhsd.float() - base).abs().max().item()
+            with torch.no_grad():
+                t_f = median_ms(fwd)
+            row["fwd_ms"], row["fwd_tflops"] = t_f, ff / t_f / 1e9
+            if do_bwd:
+                leaves = [a.detach().requires_grad_() for a in args]
+
+                def fwd_bwd():
+                    o = fn(*leaves, causal, scale)
+                    torch.autograd.grad(o, leaves, dout)
+                t_fb = median_ms(fwd_bwd)
+                row["bwd_ms"] = max(t_fb - t_f, 1e-6)
+                row["bwd_tflops"] = 2.5 * ff / row["bwd_ms"] / 1e9
+        except Exception as exc:  # unsupported shape for a peer: record why
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    wl = sorted({(r["dqk"], r["dv"], r["causal"], r["S"], r["B"]) for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(wl) * 2), 5))
+    for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
+        width = 0.8 / max(1, len(impls))
+        for i, name in enumerate(impls):
+            ys = []
+            for w in wl:
+                r = [x for x in rows if x["impl"] == name and (x["dqk"], x["dv"], x["causal"], x["S"], x["B"]) == w]
+                ys.append(r[0].get(key, 0) if r else 0)
+            ax.bar([j + i * width for j in range(len(wl))], ys, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wl))])
+        ax.set_xticklabels([f"{d}/{v}{' c' if c else ''}\nS={s} B={b}" for d, v, c, s, b in wl], fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(key.replace("_tflops", "").upper())
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU")
+    impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,
+                                                               causal_align="top_left")}
+    impls.update(peers())
+    S = 4096 if args.quick else 8192
+    shapes = [(2, 16, S, d, dv, c) for d, dv in ((192, 128), (128, 128)) for c in (False, True)]
+    if args.sweep:
+        shapes += [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
+    rows = []
+    for B, H, s, d, dv, c in shapes:
+        rows += bench_one(B, H, s, d, dv, c, impls, do_bwd=not args.no_bwd)
+    meta = stamp()
+    meta["rows"] = rows
+    path = write("attention", meta, Path(args.out))
+    plot(rows, path.with_suffix(".png"))
+    print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
+    hdr = f"{'workload':<26}{'impl':<20}{'backend':<10}{'fwd TF/s':>9}{'bwd TF/s':>9}{'fwd/cudnn':>10}{'bwd/cudnn':>10}"
+    print(hdr)
+    for r in rows:
+        w = f"{r['dqk']}/{r['dv']} {'causal' if r['causal'] else 'full'} B{r['B']} S{r['S']}"
+        if "error" in r:
+            print(f"{w:<26}{r['impl']:<20}{'':<10}  {r['error'][:60]}")
+            continue
+        cud = [x for x in rows if x["impl"] == "sdpa_cudnn" and (x["dqk"], x["dv"], x["causal"], x["S"]) ==
+               (r["dqk"], r["dv"], r["causal"], r["S"]) and "error" not in x]
+        rf = r["fwd_tflops"] / cud[0]["fwd_tflops"] if cud else float("nan")
+        rb = r.get("bwd_tflops", 0) / cud[0]["bwd_tflops"] if cud and "bwd_tflops" in cud[0] else float("nan")
+        be = r.get("backend_fwd", "") + ("/" + r["backend_bwd"] if "backend_bwd" in r else "")
+        print(f"{w:<26}{r['impl']:<20}{be:<10}{r['fwd_tflops']:>9.1f}{r.get('bwd_tflops', 0):>9.1f}{rf:>10.2f}{rb:>10.2f}")
+    print(f"json: {path}")
+
+
+if __name__ == "__main__":
+    main()
