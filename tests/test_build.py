@@ -1,0 +1,72 @@
+"""The JIT builder: family registry, flags per arch, cache keys, the prebuild CLI (no compiling here:
+CI's compile check runs `python -m mla_autograd.build` itself)."""
+import pytest
+
+from mla_autograd import _build, build
+
+
+def test_every_family_has_sources_and_an_api_file():
+    for fam in _build.FAMILIES.values():
+        names = [p.name for p in fam.sources()]
+        assert names, f"{fam.name} has no sources"
+        assert any(n.endswith("_api.cpp") for n in names), f"{fam.name} has no *_api.cpp host layer"
+
+
+def test_arch_flags_are_per_family():
+    if _build.cutlass_dirs() is None:
+        pytest.skip("nvidia-cutlass not installed")
+    _, _, nvcc90 = _build._flags(_build.FAMILIES["fmha_fwd_sm90"], False)
+    _, _, nvcc100 = _build._flags(_build.FAMILIES["fmha_bwd_sm100"], False)
+    _, _, nvcc80 = _build._flags(_build.FAMILIES["mla_decode_sm80"], True)
+    assert [f for f in nvcc90 if "gencode" in f] == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert [f for f in nvcc100 if "gencode" in f] == ["-gencode=arch=compute_100a,code=sm_100a"]
+    assert [f for f in nvcc80 if "gencode" in f] == ["-gencode=arch=compute_80,code=sm_80",
+                                                     "-gencode=arch=compute_90,code=sm_90"]
+    assert "-Xptxas=-v" in nvcc80 and "-Xptxas=-v" not in nvcc90
+
+
+def test_fingerprint_changes_with_sources_and_flags(tmp_path, monkeypatch):
+    (tmp_path / "x").mkdir()
+    src = tmp_path / "x" / "fam_a.cu"
+    src.write_text("// v1\n")
+    monkeypatch.setattr(_build, "csrc_dir", lambda: tmp_path)
+    fam = _build.Family("fam_a", "x", ("sm_90a",), ((9, 0),))
+    a = _build._fingerprint(fam, ("flags",))
+    assert a == _build._fingerprint(fam, ("flags",))
+    assert a != _build._fingerprint(fam, ("other",))
+    (tmp_path / "x" / "shared.cuh").write_text("// header\n")
+    b = _build._fingerprint(fam, ("flags",))
+    assert b != a, "a header change must rebuild"
+    src.write_text("// v2\n")
+    assert _build._fingerprint(fam, ("flags",)) != b
+
+
+def test_cli_selects_families_by_arch(monkeypatch, capsys):
+    built = []
+    monkeypatch.setattr(build, "load_family", lambda name, **kw: built.append(name))
+    monkeypatch.setattr(build, "family_available", lambda name: (True, ""))
+    assert build.main(["--arch", "sm_100a"]) == 0
+    assert sorted(built) == ["fmha_bwd_sm100", "fmha_fwd_sm100"]
+    built.clear()
+    assert build.main(["--arch", "sm_90a"]) == 0
+    assert sorted(built) == ["fmha_bwd_sm90", "fmha_fwd_sm90", "mla_decode_sm80"]
+    built.clear()
+    assert build.main(["--arch", "sm_80"]) == 0
+    assert built == ["mla_decode_sm80"]
+
+
+def test_cli_fails_loudly(monkeypatch, capsys):
+    def boom(name, **kw):
+        raise RuntimeError("error: identifier undefined")
+    monkeypatch.setattr(build, "load_family", boom)
+    monkeypatch.setattr(build, "family_available", lambda name: (True, ""))
+    assert build.main(["--family", "fmha_fwd_sm90"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL fmha_fwd_sm90" in out and "identifier undefined" in out
+
+
+def test_cli_skip_missing_only_skips_missing_sources(monkeypatch, capsys):
+    monkeypatch.setattr(build, "family_available", lambda name: (False, f"kernel family {name} has no sources in x"))
+    assert build.main(["--family", "fmha_fwd_sm90", "--skip-missing"]) == 0
+    monkeypatch.setattr(build, "family_available", lambda name: (False, "no CUDA toolkit (nvcc) found"))
+    assert build.main(["--family", "fmha_fwd_sm90", "--skip-missing"]) == 1
