@@ -159,11 +159,16 @@ def explain_call(call: Call) -> Decision:
 
 
 _warned: set[str] = set()
+_decisions: dict = {}
 
 
 def select(call: Call) -> Decision:
-    """Choose the backend for a call; announce reference fallbacks once per reason."""
-    d = explain_call(call)
+    """Choose the backend for a call (memoised: this runs on every op call); announce reference
+    fallbacks once per reason."""
+    key = (call, os.environ.get("MLA_AUTOGRAD_BACKEND"))
+    d = _decisions.get(key)
+    if d is None:
+        d = _decisions[key] = explain_call(call)
     if d.family is None:
         msg = (f"mla_autograd: {call.op} on {call.device.type} ({str(call.dtype).replace('torch.', '')}, "
                f"dims {call.dims}) runs on the pure-PyTorch reference path: {d.reason}")
