@@ -1,0 +1,153 @@
+"""Benchmark of the mla_decode_sm80 kernel (weight-absorbed MLA decode over a paged latent cache).
+
+Cases (bf16, one new token, random shuffled page tables):
+  H=16  B=128 S=4096   page 64 (also 1 and 16)   memory-bound
+  H=128 B=128 S=4096   page 64                   compute-bound
+  H=16  B=4   S=32768  page 64                   split-KV
+Beside each, the SDPA baseline in the same run: torch.nn.functional.scaled_dot_product_attention over
+the same cache gathered into a dense (B, S, 576) tensor, heads folded into the query length (MQA, so the
+cache is not expanded H times; the gather itself is not timed).
+Metrics: median time (triton.testing.do_bench, else CUDA events), cache GB/s = B*S*576*2 bytes / time,
+TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Writes JSON to bench/results/ and prints a table.
+
+    python bench/bench_decode.py [--quick] [--out bench/results/decode_<stamp>.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mla_autograd._build import load_family  # noqa: E402
+
+SCALE = 1.0 / math.sqrt(192.0)
+AUTO = (0, 0, 0, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow): automatic
+
+
+def bench_ms(fn) -> float:
+    try:
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    except ImportError:
+        for _ in range(10):
+            fn()
+        ts = []
+        for _ in range(50):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); fn(); b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        return ts[len(ts) // 2]
+
+
+def make_case(B, S, H, Sq, page, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages_per = S // page
+    P = B * pages_per + 1
+    buf = torch.randn(P, page, 576, dtype=dtype, device="cuda", generator=g)
+    perm = torch.randperm(P, device="cuda", generator=g)
+    table = perm[: B * pages_per].view(B, pages_per).to(torch.int32).contiguous()
+    q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device="cuda", generator=g)
+    q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device="cuda", generator=g)
+    seqlens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    return buf, table, q_nope, q_pe, seqlens
+
+
+def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUTO):
+    buf, table, q_nope, q_pe, seqlens = make_case(B, S, H, Sq, page, dtype)
+    ckv, kpe = buf[..., :512], buf[..., 512:]
+    out = torch.empty(B, Sq, H, 512, dtype=dtype, device="cuda")
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device="cuda")
+    causal = Sq > 1
+    ext.set_tuning(*tune)
+    fn = lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    ms = bench_ms(fn)
+    bytes_ = B * S * 576 * 2
+    flops = 2.0 * B * Sq * H * S * (576 + 512)
+    row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
+           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9}
+    if sdpa:
+        try:
+            dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
+            k = dense[:, None]                      # (B, 1, S, 576)
+            v = dense[:, None, :, :512]             # (B, 1, S, 512)
+            q = torch.cat([q_nope, q_pe], -1).reshape(B, 1, Sq * H, 576)
+            sfn = lambda: F.scaled_dot_product_attention(q, k, v, scale=SCALE)  # noqa: E731
+            ref = sfn()
+            if Sq == 1:  # sanity: same result as the kernel
+                row["max_abs_diff_vs_sdpa"] = (ref.reshape(B, H, 512).float() - out.reshape(B, H, 512).float()).abs().max().item()
+            sms = bench_ms(sfn)
+            row.update({"sdpa_us": sms * 1e3, "sdpa_GBps": bytes_ / sms / 1e6, "sdpa_TFps": flops / sms / 1e9})
+            del dense, k, v, q, ref
+        except Exception as e:  # noqa: BLE001
+            row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    ext.set_tuning(*AUTO)
+    del buf
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time launch-config variants (set_tuning)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    ext = load_family("mla_decode_sm80")
+    cases = [
+        dict(B=128, S=4096, H=16, page=64),
+        dict(B=128, S=4096, H=128, page=64),
+        dict(B=4, S=32768, H=16, page=64),
+    ]
+    if not args.quick:
+        cases += [
+            dict(B=128, S=4096, H=16, page=1),
+            dict(B=128, S=4096, H=16, page=16),
+            dict(B=128, S=4096, H=16, page=64, Sq=2),
+            dict(B=128, S=4096, H=16, page=64, dtype=torch.float16),
+        ]
+    if args.sweep:
+        for tune in [(0, 1, 0, 1, -1), (0, 1, 0, 0, -1), (0, 2, 0, 0, -1)]:
+            cases.append(dict(B=128, S=4096, H=16, page=64, tune=tune))
+            cases.append(dict(B=4, S=32768, H=16, page=64, tune=tune))
+        for tune in [(0, 0, 0, -1, 0), (2, 0, 0, -1, 1)]:
+            cases.append(dict(B=128, S=4096, H=128, page=64, tune=tune))
+    rows = []
+    for c in cases:
+        c.setdefault("tune", AUTO)
+        if c["tune"] != AUTO:
+            c["sdpa"] = False
+        c.setdefault("sdpa", not args.no_sdpa)
+        r = run_case(ext, **c)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    dev = torch.cuda.get_device_name()
+    hdr = f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>13} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | {'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}"
+    print(f"\nmla_decode_sm80 on {dev}\n" + hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
+        tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow)"])
+        print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
+              f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {s}")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+// Split-KV merge: one CTA per (request, row = (token, head)); requests with one split were written by the
+// main kernel directly and are skipped. Partial LSEs are base 2; an all-empty row gives out 0, lse -inf.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "sm80/mla_decode_sm80_config.h"
+#include "sm80/mla_decode_sm80_params.h"
+
+namespace mla_decode_sm80 {
+
+constexpr int kCombineThreads = kDimCkv / 4;  // 128: 4 output dims per thread
+
+template <typename Elem> __device__ __forceinline__ void store4(Elem* dst, float a, float b, float c, float d);
+template <> __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b, float c, float d) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+  uint2 v;
+  v.x = *reinterpret_cast<uint32_t*>(&lo);
+  v.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = v;
+}
+template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a, float b, float c, float d) {
+  __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(c, d);
+  uint2 v;
+  v.x = *reinterpret_cast<uint32_t*>(&lo);
+  v.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = v;
+}
+
+// One CTA of 128 threads per (request, row); thread i owns output dims 4i..4i+3, so each split's partial
+// row (2 KB) is read fully coalesced and the loop over splits keeps 8 independent loads in flight.
+template <typename Elem>
+__global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
+  const int tid = threadIdx.x;
+  const int rows = p.Sq * p.H;
+  const long long idx = blockIdx.x;
+  const int b = int(idx / rows), grow = int(idx % rows);
+  const int first = p.sched_reqs[b * 2 + 0];
+  const int ns = p.sched_reqs[b * 2 + 1];
+  if (ns <= 1) return;  // written by the main kernel
+  const int t = grow / p.H, h = grow % p.H;
+  const float* lse_p = p.ws_lse + (long long)first * rows + grow;
+
+  float m = -INFINITY;
+  for (int j = 0; j < ns; ++j) m = fmaxf(m, __ldg(lse_p + (long long)j * rows));
+
+  Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_stride_b + (long long)t * p.o_stride_s + (long long)h * p.o_stride_h;
+  float* lse_out = p.lse + (long long)b * p.lse_stride_b + (long long)h * p.lse_stride_h + t;
+  if (m == -INFINITY) {  // no split saw a key
+    store4<Elem>(out + tid * 4, 0.f, 0.f, 0.f, 0.f);
+    if (tid == 0) *lse_out = -INFINITY;
+    return;
+  }
+  float sum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4* src = reinterpret_cast<const float4*>(p.ws_o + ((long long)first * rows + grow) * kDimCkv) + tid;
+  const long long split_stride = (long long)rows * kDimCkv / 4;  // in float4
+  int j = 0;
+  for (; j + 8 <= ns; j += 8) {
+    float4 v[8];
+    float w[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      v[u] = __ldg(src + (long long)(j + u) * split_stride);
+      w[u] = exp2f(__ldg(lse_p + (long long)(j + u) * rows) - m);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      sum += w[u];
+      acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
+    }
+  }
+  for (; j < ns; ++j) {
+    const float4 v = __ldg(src + (long long)j * split_stride);
+    const float w = exp2f(__ldg(lse_p + (long long)j * rows) - m);
+    sum += w;
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  }
+  // empty splits have w = 0 and a zero partial O; sum >= 1 since the max split contributes exp2(0)
+  const float inv = 1.f / sum;
+  store4<Elem>(out + tid * 4, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  if (tid == 0) *lse_out = (m + __log2f(sum)) * 0.6931471805599453f;
+}
+
+void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream) {
+  const long long rows = (long long)p.B * p.Sq * p.H;
+  if (rows == 0) return;
+  const unsigned blocks = unsigned(rows);
+  if (is_bf16) mla_decode_combine_kernel<__nv_bfloat16><<<blocks, kCombineThreads, 0, stream>>>(p);
+  else mla_decode_combine_kernel<__half><<<blocks, kCombineThreads, 0, stream>>>(p);
+}
+
+}  // namespace mla_decode_sm80

@@ -1,0 +1,46 @@
+// Tile constants of the weight-absorbed MLA decode kernel (mma.sync / cp.async / ldmatrix; sm_80, sm_90).
+#pragma once
+
+namespace mla_decode_sm80 {
+
+constexpr int kDimCkv = 512;               // latent (compressed KV) dim = V dim
+constexpr int kDimKpe = 64;                // rope dim
+constexpr int kDimQK = kDimCkv + kDimKpe;  // 576
+constexpr int kThreads = 256;              // 8 warps per CTA
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlockN = 32;                // KV tokens per pipeline stage
+constexpr int kMinStages = 2;
+constexpr int kMaxStages = 5;              // cp.async stages (chosen at run time by the smem the device offers)
+constexpr int kPageRing = 2 * kMaxStages;  // tiles of page ids staged in smem ahead of the loads
+constexpr int kRowBytes = kDimQK * 2;      // 1152 B per smem row (Q and KV), 9 x 128 B, XOR-swizzled
+constexpr int kPStride = kBlockN + 8;      // P row stride (elements), padded: conflict-free ldmatrix
+
+// Rows (token, head) per CTA: 16, 32 or 64 (M = Sq * H rounded up to 16, capped at 64).
+// NARROW (64-row tiles): four warps compute S (16 x 32 each, no cross-warp row-max exchange needed for
+// the columns) while the other four issue the next tiles' cp.async; otherwise all warps compute S.
+template <int M_TILE, bool NARROW = false>
+struct TileConfig {
+  static_assert(M_TILE == 16 || M_TILE == 32 || M_TILE == 64, "M_TILE must be 16, 32 or 64");
+  static constexpr int kMTiles = M_TILE / 16;                       // 16-row mma tiles in the PV phase
+  static constexpr int kWR = M_TILE / 16;                           // QK warp grid: rows
+  static constexpr int kWC = NARROW ? 1 : ((kWarps / kWR) < (kBlockN / 8) ? (kWarps / kWR) : (kBlockN / 8));  // QK warp grid: cols
+  static constexpr int kQKWarps = kWR * kWC;                        // warps that compute S (the rest wait)
+  static constexpr int kQKCols = kBlockN / kWC;                     // tokens per QK warp
+  static constexpr int kQKNTiles = kQKCols / 8;
+  static constexpr int kPVCols = kDimCkv / kWarps;                  // 64 output dims per warp
+  static constexpr int kPVNTiles = kPVCols / 8;
+  // Register budget: up to 64 rows x 64 fp32 accumulators per warp need one CTA per SM; 16/32-row tiles
+  // are compiled for two co-resident CTAs (<= 128 registers) so one CTA's barriers hide behind the other.
+  static constexpr int kMinBlocks = M_TILE <= 32 ? 2 : 1;
+  static constexpr int kQKAcc = (kQKNTiles == 1 && M_TILE == 16) ? 4 : 2;            // independent accumulator chains per n-tile
+
+  static constexpr int smem_bytes(int stages) {
+    return M_TILE * kRowBytes                 // Q
+         + stages * kBlockN * kRowBytes       // KV stages
+         + M_TILE * kPStride * 2              // P (bf16/fp16)
+         + 2 * kWC * M_TILE * 4               // row max / row sum exchange
+         + kPageRing * kBlockN * 4;           // page-id ring
+  }
+};
+
+}  // namespace mla_decode_sm80

@@ -1,0 +1,468 @@
+// Weight-absorbed MLA decode, SM80 style: mma.sync m16n8k16, multi-stage cp.async (zero-fill), ldmatrix
+// (transposed for V), XOR-swizzled shared memory. Built for sm_80 and sm_90.
+//
+// One CTA = (m-block of M_TILE rows (token, head), work item = (request, KV range)). 8 warps:
+//   - all 256 threads issue the 16-byte cp.async loads of the KV stages (page ids staged in smem ahead);
+//   - kQKWarps warps compute S = Q K^T (16 x kQKCols each, 576 deep), exchange row maxima through smem,
+//     do the online softmax of their rows and write P (16-bit) to smem;
+//   - all 8 warps do O += P V, each on 64 of the 512 output dims (fp32 accumulators M_TILE x 64 per warp).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "sm80/mla_decode_sm80_config.h"
+#include "sm80/mla_decode_sm80_params.h"
+
+namespace mla_decode_sm80 {
+
+template <typename Elem> struct MmaOp;
+template <> struct MmaOp<__nv_bfloat16> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
+template <> struct MmaOp<__half> { using Op = cute::SM80_16x8x16_F32F16F16F32_TN; };
+
+template <typename Elem>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MmaOp<Elem>::Op::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2], d[3]);
+}
+
+template <typename Elem> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t smem_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t smem_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+
+// 16-byte cp.async.cg (L2 only) with zero fill when !pred (src-size 0: nothing is read).
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr, bool pred) {
+  const int src_size = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr), "l"(gptr), "r"(src_size));
+}
+// 4-byte cp.async.ca with zero fill.
+__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gptr, bool pred) {
+  const int src_size = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(smem_addr), "l"(gptr), "r"(src_size));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  // wait_group needs an immediate; stages is a run-time value.
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+  }
+}
+
+// Byte offset of (row, col) in a [rows][576] 16-bit buffer whose 16-byte chunks are XOR-swizzled within
+// each 128-byte group by row % 8 (col a multiple of 8): 8 consecutive rows at one logical chunk hit 8
+// different bank groups, so ldmatrix (normal and transposed) and the cp.async stores are conflict-free.
+__device__ __forceinline__ uint32_t swz(int row, int col) {
+  const int c = col >> 3;
+  const int pc = (c & ~7) | ((c ^ row) & 7);
+  return uint32_t(row * kRowBytes + pc * 16);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename Elem, int M_TILE, bool NARROW>
+__global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_decode_kernel(const DecodeParams p) {
+  using Cfg = TileConfig<M_TILE, NARROW>;
+  constexpr int MT = Cfg::kMTiles;
+  constexpr int WC = Cfg::kWC;
+  constexpr int QKN = Cfg::kQKNTiles;
+  constexpr int PVN = Cfg::kPVNTiles;
+
+  const int item = blockIdx.y;
+  const int mblock = blockIdx.x;
+  const int b = p.sched_items[item * 4 + 0];
+  if (b < 0) return;  // grid is sized from shapes; unused items exit
+  const int split = p.sched_items[item * 4 + 1];
+  const int kv_begin = p.sched_items[item * 4 + 2];
+  const int kv_end = p.sched_items[item * 4 + 3];
+  (void)split;
+  const int L = p.seqlens[b];
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
+  const int stages = p.stages;
+  const int rows_total = p.Sq * p.H;
+  const int row0 = mblock * M_TILE;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sKV = sQ + M_TILE * kRowBytes;
+  uint8_t* sP = sKV + stages * kBlockN * kRowBytes;
+  float* sRedMax = reinterpret_cast<float*>(sP + M_TILE * kPStride * 2);
+  float* sRedSum = sRedMax + WC * M_TILE;
+  int* sPage = reinterpret_cast<int*>(sRedSum + WC * M_TILE);
+  const uint32_t sQ_a = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
+  const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
+  const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
+  const uint32_t sPage_a = static_cast<uint32_t>(__cvta_generic_to_shared(sPage));
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;   // mma row group
+  const int q4 = lane & 3;   // mma quad lane
+
+  const int* bt = p.block_table + int64_t(b) * p.bt_stride_b;
+  const int page_mask = p.page_size - 1;
+  const int log2_page = p.log2_page;
+  const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
+  const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
+
+  // ---- page ids of the first 2*stages-2 tiles (plain loads; later tiles arrive by cp.async) ----
+  const int pre_tiles = 2 * stages - 2;
+  for (int idx = tid; idx < pre_tiles * kBlockN; idx += kThreads) {
+    const int t = idx / kBlockN, r = idx % kBlockN;
+    const int tok = kv_begin + t * kBlockN + r;
+    int pg = 0;
+    if (t < n_tiles && tok < kv_end) pg = __ldg(bt + (tok >> log2_page));
+    sPage[(t % kPageRing) * kBlockN + r] = pg;
+  }
+
+  // ---- Q tile (rows (token, head), zero-filled past Sq*H) ----
+  {
+    const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
+    const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
+    for (int idx = tid; idx < M_TILE * 72; idx += kThreads) {
+      const int r = idx / 72, c = idx % 72;
+      const int grow = row0 + r;
+      const bool ok = grow < rows_total;
+      const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
+      const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
+                               : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
+      cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
+    }
+  }
+  __syncthreads();  // page ids of the first tiles visible
+
+  // ---- KV tile loader: 64 ckv chunks + 8 kpe chunks per token row. NL loader threads (lt = 0..NL-1):
+  // all 256 threads, or (split_loaders, when some warps sit out the QK phase) only the warps that do not
+  // compute S, so that a stalled cp.async issue overlaps the QK phase instead of delaying it. ----
+  auto load_kv_n = [&](auto nl_const, int tile, int lt) {
+    constexpr int NL = decltype(nl_const)::value;
+    static_assert(NL % 64 == 0 && (kBlockN * 64) % NL == 0, "loader thread count");
+    const int buf = tile % stages;
+    const uint32_t dst = sKV_a + buf * (kBlockN * kRowBytes);
+    const int* pid = sPage + (tile % kPageRing) * kBlockN;
+    const int tok0 = kv_begin + tile * kBlockN;
+    const int c = lt & 63;
+#pragma unroll 4
+    for (int k = 0; k < kBlockN * 64 / NL; ++k) {
+      const int r = (lt >> 6) + (NL / 64) * k;
+      const int tok = tok0 + r;
+      const bool ok = tok < kv_end;
+      const int64_t off = int64_t(pid[r]) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row + c * 8;
+      cp_async16(dst + swz(r, c * 8), ok ? static_cast<const void*>(ckv + off) : p.ckv, ok);
+    }
+#pragma unroll
+    for (int k = 0; k < (kBlockN * 8 + NL - 1) / NL; ++k) {
+      const int idx = lt + k * NL;
+      if (idx < kBlockN * 8) {
+        const int r = idx >> 3, cc = idx & 7;
+        const int tok = tok0 + r;
+        const bool ok = tok < kv_end;
+        const int64_t off = int64_t(pid[r]) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row + cc * 8;
+        cp_async16(dst + swz(r, kDimCkv + cc * 8), ok ? static_cast<const void*>(kpe + off) : p.kpe, ok);
+      }
+    }
+  };
+  constexpr int kIdleThreads = (kWarps - Cfg::kQKWarps) * 32;
+  const bool split_loaders = kIdleThreads >= 64 && p.split_loaders;
+  auto load_kv = [&](int tile) {
+    if constexpr (kIdleThreads >= 64 && (kBlockN * 64) % (kIdleThreads > 0 ? kIdleThreads : 64) == 0) {
+      if (split_loaders) {
+        if (warp >= Cfg::kQKWarps) load_kv_n(std::integral_constant<int, kIdleThreads>{}, tile, tid - Cfg::kQKWarps * 32);
+        return;
+      }
+    }
+    load_kv_n(std::integral_constant<int, kThreads>{}, tile, tid);
+  };
+
+  auto load_pages = [&](int tile) {  // page ids of `tile` into the ring, asynchronously
+    if (tid < kBlockN) {
+      const int tok = kv_begin + tile * kBlockN + tid;
+      const bool ok = tok < kv_end;
+      cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4, ok ? static_cast<const void*>(bt + (tok >> log2_page)) : static_cast<const void*>(bt), ok);
+    }
+  };
+
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < n_tiles) load_kv(s);
+    cp_async_commit();
+  }
+
+  // ---- per-thread state ----
+  float o[MT][PVN][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < PVN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+  float m_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY;
+  float l_part[2] = {0.f, 0.f};
+
+  const bool qk_warp = warp < Cfg::kQKWarps;
+  const int wr = warp / WC;           // QK row group (valid when qk_warp)
+  const int wc = warp % WC;           // QK column group
+  const int causal_base = L - p.Sq;   // token t sees positions <= causal_base + t
+
+  // Last visible KV position of each QK row of this thread (-1: padding row sees nothing).
+  int qk_lim[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int grow = row0 + wr * 16 + g + hh * 8;
+    int lim = kv_end - 1;
+    if (p.causal) lim = min(lim, causal_base + grow / p.H);
+    qk_lim[hh] = grow < rows_total ? lim : -1;
+  }
+
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait_dyn(stages - 2);
+    __syncthreads();  // B1: tile i landed (all threads' groups); buffers of tile i-1 and P are free
+    {
+      const int j = i + stages - 1;
+      if (j < n_tiles) load_kv(j);
+      const int t2 = i + 2 * stages - 2;
+      if (t2 < n_tiles) load_pages(t2);
+      cp_async_commit();
+    }
+    const uint32_t kv_a = sKV_a + (i % stages) * (kBlockN * kRowBytes);
+    const int tok0 = kv_begin + i * kBlockN;
+
+    // ---- S = Q K^T on the QK warps ----
+    float s[QKN][4];
+    if (qk_warp) {
+      constexpr int NACC = Cfg::kQKAcc;
+      float acc[QKN][NACC][4];
+#pragma unroll
+      for (int nt = 0; nt < QKN; ++nt)
+#pragma unroll
+        for (int a = 0; a < NACC; ++a)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][a][e] = 0.f;
+      const int arow = wr * 16 + (lane & 15);
+      const int acol = (lane >> 4) * 8;
+      constexpr int kHalf = NACC / 2;  // k-chunks of 32 cycled over the accumulator pairs
+      static_assert((kDimQK / 32) % kHalf == 0, "k chunks must divide evenly");
+#pragma unroll (M_TILE == 32 ? 2 : 3)
+      for (int kq = 0; kq < kDimQK / 32; kq += kHalf) {
+#pragma unroll
+        for (int hf = 0; hf < kHalf; ++hf) {
+          const int kp = kq + hf;
+          uint32_t a0[4], a1[4];
+          ldsm_x4(sQ_a + swz(arow, kp * 32 + acol), a0);
+          ldsm_x4(sQ_a + swz(arow, kp * 32 + 16 + acol), a1);
+#pragma unroll
+          for (int nt = 0; nt < QKN; ++nt) {
+            uint32_t bb[4];
+            const int brow = wc * Cfg::kQKCols + nt * 8 + (lane & 7);
+            ldsm_x4(kv_a + swz(brow, kp * 32 + (lane >> 3) * 8), bb);
+            mma16816<Elem>(acc[nt][hf * 2 + 0], a0, bb[0], bb[1]);
+            mma16816<Elem>(acc[nt][hf * 2 + 1], a1, bb[2], bb[3]);
+          }
+        }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < QKN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
+          const bool vis = tok <= qk_lim[hh];
+          float sum = 0.f;
+#pragma unroll
+          for (int a = 0; a < NACC; ++a) sum += acc[nt][a][e];
+          const float v = vis ? sum * p.scale_log2 : -INFINITY;
+          s[nt][e] = v;
+          mx[hh] = fmaxf(mx[hh], v);
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+      }
+      if (q4 == 0) {
+        sRedMax[wc * M_TILE + wr * 16 + g] = mx[0];
+        sRedMax[wc * M_TILE + wr * 16 + g + 8] = mx[1];
+      }
+    }
+    __syncthreads();  // B2: row maxima of this tile visible
+
+    // ---- new running max for every row this thread touches (identical on all threads) ----
+    float alpha[MT][2], m_use[MT][2];
+    float qk_alpha[2] = {1.f, 1.f}, qk_muse[2] = {0.f, 0.f};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = mt * 16 + g + hh * 8;
+        float mx = m_run[mt][hh];
+#pragma unroll
+        for (int c = 0; c < WC; ++c) mx = fmaxf(mx, sRedMax[c * M_TILE + row]);
+        const float mu = (mx == -INFINITY) ? 0.f : mx;
+        alpha[mt][hh] = fast_exp2(m_run[mt][hh] - mu);  // exp2(-inf) = 0
+        m_use[mt][hh] = mu;
+        m_run[mt][hh] = mx;
+        if (mt == wr) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
+      }
+    }
+
+    // ---- P = exp2(S - m), row sums, P to smem ----
+    if (qk_warp) {
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < QKN; ++nt) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pv[e] = fast_exp2(s[nt][e] - qk_muse[e >> 1]);
+          rs[e >> 1] += pv[e];
+        }
+        const int col = wc * Cfg::kQKCols + nt * 8 + 2 * q4;
+        const int r0 = wr * 16 + g;
+        *reinterpret_cast<uint32_t*>(sP + (r0 * kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
+      }
+      l_part[0] = l_part[0] * qk_alpha[0] + rs[0];
+      l_part[1] = l_part[1] * qk_alpha[1] + rs[1];
+    }
+    __syncthreads();  // B3: P visible
+
+    // ---- O = O * alpha + P V (each warp: all M_TILE rows x 64 dims) ----
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < PVN; ++nt) {
+        o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
+        o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
+      }
+#pragma unroll (M_TILE == 32 ? 1 : 2)
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(sP_a + ((mt * 16 + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+#pragma unroll
+      for (int np = 0; np < PVN / 2; ++np) {
+        uint32_t bb[4];
+        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int vcol = warp * Cfg::kPVCols + np * 16 + (lane >> 4) * 8;
+        ldsm_x4_t(kv_a + swz(vrow, vcol), bb);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<Elem>(o[mt][2 * np], a[mt], bb[0], bb[1]);
+          mma16816<Elem>(o[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait_dyn(0);
+
+  // ---- final row sums: quad reduce, exchange across the QK column groups ----
+  if (qk_warp) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 1);
+      l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 2);
+    }
+    if (q4 == 0) {
+      sRedSum[wc * M_TILE + wr * 16 + g] = l_part[0];
+      sRedSum[wc * M_TILE + wr * 16 + g + 8] = l_part[1];
+    }
+  }
+  __syncthreads();
+
+  const bool final_out = p.sched_reqs[b * 2 + 1] == 1;
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = mt * 16 + g + hh * 8;
+      const int grow = row0 + row;
+      if (grow >= rows_total) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int c = 0; c < WC; ++c) l += sRedSum[c * M_TILE + row];
+      const bool empty = !(l > 0.f);
+      const float inv = empty ? 0.f : 1.f / l;
+      const float lse2 = empty ? -INFINITY : m_run[mt][hh] + __log2f(l);
+      const int t = grow / p.H, h = grow % p.H;
+      if (final_out) {
+        Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
+#pragma unroll
+        for (int nt = 0; nt < PVN; ++nt) {
+          const int col = warp * Cfg::kPVCols + nt * 8 + 2 * q4;
+          *reinterpret_cast<uint32_t*>(out + col) = pack2<Elem>(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
+        }
+        if (warp == 0 && q4 == 0) p.lse[int64_t(b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
+      } else {
+        float* wo = p.ws_o + (int64_t(item) * rows_total + grow) * kDimCkv;
+#pragma unroll
+        for (int nt = 0; nt < PVN; ++nt) {
+          const int col = warp * Cfg::kPVCols + nt * 8 + 2 * q4;
+          *reinterpret_cast<float2*>(wo + col) = make_float2(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
+        }
+        if (warp == 0 && q4 == 0) p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
+      }
+    }
+  }
+}
+
+}  // namespace mla_decode_sm80
+
+namespace mla_decode_sm80 {
+
+template <typename Elem, int M_TILE, bool NARROW>
+void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
+  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW>;
+  const int smem = TileConfig<M_TILE, NARROW>::smem_bytes(p.stages);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
+  dim3 grid(p.num_mblocks, p.num_items);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+}
+
+template <typename Elem>
+void launch_decode_typed(const DecodeParams& p, int m_tile, cudaStream_t stream) {
+  switch (m_tile) {
+    case 16: launch_decode_tile<Elem, 16, false>(p, stream); break;
+    case 32: launch_decode_tile<Elem, 32, false>(p, stream); break;
+    default:
+      if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
+      else launch_decode_tile<Elem, 64, false>(p, stream);
+      break;
+  }
+}
+
+}  // namespace mla_decode_sm80

@@ -1,0 +1,59 @@
+// Parameters of the MLA decode kernels; every pointer's shape and strides are spelled out.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace mla_decode_sm80 {
+
+struct DecodeParams {
+  // q_nope (B, Sq, H, 512), q_pe (B, Sq, H, 64); strides in elements, last-dim stride 1.
+  const void* q_nope;
+  const void* q_pe;
+  int64_t qn_stride_b, qn_stride_s, qn_stride_h;
+  int64_t qp_stride_b, qp_stride_s, qp_stride_h;
+  // ckv_cache (P, page_size, 512), kpe_cache (P, page_size, 64); may be views of one (P, page_size, 576).
+  const void* ckv;
+  const void* kpe;
+  int64_t ckv_stride_page, ckv_stride_row;
+  int64_t kpe_stride_page, kpe_stride_row;
+  // block_table int32 (B, max_pages) with row stride bt_stride_b; cache_seqlens int32 (B).
+  const int* block_table;
+  int64_t bt_stride_b;
+  int max_pages;
+  const int* seqlens;
+  // out (B, Sq, H, 512) dtype of q; lse (B, H, Sq) fp32 (strides in elements).
+  void* out;
+  int64_t o_stride_b, o_stride_s, o_stride_h;
+  float* lse;
+  int64_t lse_stride_b, lse_stride_h;
+  // Split-KV workspace: ws_o (num_items, Sq*H, 512) fp32 normalised partial outputs; ws_lse (num_items, Sq*H)
+  // fp32 partial LSE in base 2. sched: scheduling metadata written on the device by the metadata kernel:
+  //   items[num_items][4] = (request b or -1, split index, kv_begin, kv_end)
+  //   reqs[B][2]          = (first item of request b, number of splits of request b)
+  float* ws_o;
+  float* ws_lse;
+  int* sched_items;
+  int* sched_reqs;
+  int num_items;     // grid.y of the main kernel = B + num_parts (sized from shapes only)
+  int num_parts;     // target number of CTAs per m-block (SM count / m-blocks)
+  int min_tiles;     // a split covers at least this many kBlockN-token tiles
+  int force_splits;  // > 0: every request with enough tiles gets exactly this many splits (tests)
+
+  int B, Sq, H;
+  int page_size, log2_page;
+  int num_mblocks;   // ceil(Sq*H / M_TILE)
+  int stages;        // cp.async stages (run time, 2..kMaxStages)
+  int qk_narrow;     // 1: 64-row tiles use the 4-warp QK layout (TileConfig<64, true>)
+  int split_loaders; // 1: only the warps idle during QK issue the KV cp.async (16-row tiles)
+  float scale_log2;  // softmax_scale * log2(e)
+  bool causal;
+};
+
+// Host launchers (defined in the .cu files).
+void launch_metadata(const DecodeParams& p, cudaStream_t stream);
+void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
+void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream);
+int max_stages_for(int m_tile, int smem_optin);
+int smem_bytes_for(int m_tile, int stages);
+
+}  // namespace mla_decode_sm80

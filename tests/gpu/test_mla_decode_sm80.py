@@ -1,0 +1,253 @@
+"""GPU tests of the mla_decode_sm80 kernel family (weight-absorbed MLA decode, mma.sync / cp.async).
+
+Reference: mla_autograd.reference.decode_forward in float32 on the same 16-bit inputs. Tolerance:
+FlashAttention's rule, kernel error <= 2 x (plain PyTorch in the same dtype) error + eps. Paged caches
+have shuffled non-contiguous page tables and NaN in every unused page/slot; outputs are NaN-poisoned.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+_CAP_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+if not _CAP_OK:
+    pytest.skip("mla_decode_sm80 needs a CUDA GPU with compute capability >= 8.0", allow_module_level=True)
+
+from mla_autograd import reference  # noqa: E402
+from mla_autograd._build import load_family  # noqa: E402
+
+try:
+    from mla_autograd.testing import assert_error_within, random_paged_cache
+except ImportError:  # pragma: no cover - helpers not there yet
+    assert_error_within = random_paged_cache = None
+
+LENS = [0, 1, 17, 64, 1000, 4097]
+SCALE = 1.0 / math.sqrt(192.0)
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return load_family("mla_decode_sm80")
+
+
+def _paged_cache(lens, page_size, dtype, fused, seed):
+    g = torch.Generator().manual_seed(seed)
+    if random_paged_cache is not None:
+        return random_paged_cache(lens, page_size=page_size, dtype=dtype, device=DEV, fused=fused, generator=g)
+    # inline fallback: shuffled pages, NaN everywhere unused
+    pages_per = [max(1, -(-L // page_size)) for L in lens]
+    total = sum(pages_per) + 3
+    buf = torch.full((total, page_size, 576), float("nan"), dtype=dtype, device=DEV)
+    perm = torch.randperm(total, generator=g).tolist()
+    table = torch.full((len(lens), max(pages_per)), perm[-1], dtype=torch.int32)
+    nxt = 0
+    for b, L in enumerate(lens):
+        for p in range(pages_per[b]):
+            pg = perm[nxt]; nxt += 1
+            table[b, p] = pg
+            used = min(page_size, L - p * page_size)
+            if used > 0:
+                buf[pg, :used] = torch.randn(used, 576, generator=g).to(dtype=dtype, device=DEV)
+    if fused:
+        return buf[..., :512], buf[..., 512:], table.to(DEV)
+    return buf[..., :512].contiguous(), buf[..., 512:].contiguous(), table.to(DEV)
+
+
+def _baseline(q_nope, q_pe, ckv, kpe, table, lens, scale, causal):
+    """Plain PyTorch in the inputs' own dtype (the 'same precision' baseline of the tolerance rule)."""
+    B, Sq, H, _ = q_nope.shape
+    page = ckv.shape[1]
+    out = torch.zeros_like(q_nope)
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q_nope.device)
+    for b, L in enumerate(lens):
+        if L == 0:
+            continue
+        pos = torch.arange(L, device=q_nope.device)
+        pg = table[b].long()[pos // page]
+        k = torch.cat([ckv[pg, pos % page], kpe[pg, pos % page]], -1)  # (L, 576) dtype
+        q = torch.cat([q_nope[b], q_pe[b]], -1)  # (Sq, H, 576)
+        s = torch.einsum("shd,ld->hsl", q, k) * scale
+        if causal:
+            vis = pos[None, :] <= (L - Sq + torch.arange(Sq, device=q.device))[:, None]
+            s = s.masked_fill(~vis[None], float("-inf"))
+        lse[b] = torch.logsumexp(s.float(), -1)
+        p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
+        out[b] = torch.einsum("hsl,ld->shd", p, k[:, :512])
+    return out, lse
+
+
+def _check(actual, ref, base, eps, name):
+    if assert_error_within is not None:
+        assert_error_within(actual, ref, base, factor=2.0, eps=eps, name=name)
+        return
+    a, r, bl = actual.double(), ref.double(), base.double()
+    fin = torch.isfinite(r)
+    assert torch.equal(torch.isfinite(a), fin), f"{name}: non-finite pattern differs"
+    assert torch.equal(a[~fin], r[~fin]), f"{name}: non-finite values differ"
+    if fin.any():
+        err = (a[fin] - r[fin]).abs().max().item()
+        be = (bl[fin] - r[fin]).abs().max().item()
+        assert err <= 2 * be + eps, f"{name}: err {err:.3e} > 2 x {be:.3e} + {eps}"
+
+
+def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0):
+    torch.manual_seed(seed)
+    B = len(lens)
+    ckv, kpe, table = _paged_cache(lens, page_size, dtype, fused, seed)
+    q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
+    q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+    if splits:
+        ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal, splits)
+    else:
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)
+    torch.cuda.synchronize()
+    ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
+                                            softmax_scale=SCALE, causal=causal)
+    base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, lens, SCALE, causal)
+    _check(out.float(), ref_o.float(), base_o.float(), 1e-5, "out")
+    _check(lse, ref_l.float(), base_l, 1e-4, "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("Sq", [1, 2, 4])
+@pytest.mark.parametrize("H", [8, 16, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_decode_matrix(ext, dtype, page_size, Sq, H, causal):
+    # fused vs separate cache buffers alternate over the matrix (both are covered for every page size)
+    fused = (H + Sq + page_size) % 2 == 0 if H != 16 else Sq != 2
+    lens = LENS[:]
+    torch.manual_seed(page_size * 7 + Sq)
+    lens = [lens[i] for i in torch.randperm(len(lens)).tolist()]
+    _run_case(ext, lens=lens, H=H, Sq=Sq, page_size=page_size, dtype=dtype, fused=fused, causal=causal,
+              seed=H * 1000 + Sq * 10 + page_size)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused576", "separate"])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_decode_fused_and_separate(ext, fused, page_size):
+    _run_case(ext, lens=[4097, 17, 0, 1000], H=16, Sq=2, page_size=page_size, dtype=torch.bfloat16, fused=fused,
+              causal=True, seed=5)
+
+
+@pytest.mark.parametrize("splits", [2, 7, 40])
+@pytest.mark.parametrize("H,Sq", [(16, 1), (128, 4), (8, 2)])
+def test_decode_forced_splits(ext, splits, H, Sq):
+    _run_case(ext, lens=[1000, 0, 4097, 1, 17, 64], H=H, Sq=Sq, page_size=16, dtype=torch.bfloat16, fused=True,
+              causal=True, splits=splits, seed=splits + H)
+
+
+@pytest.mark.parametrize("H,Sq", [(16, 1), (128, 2)])
+def test_decode_auto_split_small_batch(ext, H, Sq):
+    # few long requests: the device scheduler splits them across the SMs and the merge kernel combines
+    _run_case(ext, lens=[20000, 3001, 0], H=H, Sq=Sq, page_size=64, dtype=torch.float16, fused=True,
+              causal=True, seed=11)
+
+
+@pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1), (2, 1, 0, 0, 0), (0, 2, 32, 0, 0), (0, 1, 16, 1, 0), (3, 1, 0, 0, 1)],
+                         ids=str)
+def test_decode_launch_variants(ext, tune):
+    # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows)
+    ext.set_tuning(*tune)
+    try:
+        for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
+            _run_case(ext, lens=[4097, 0, 17, 1000, 1], H=H, Sq=Sq, page_size=16, dtype=torch.bfloat16, fused=True,
+                      causal=causal, seed=H + Sq)
+    finally:
+        ext.set_tuning(0, 0, 0, -1, -1)
+
+
+def test_decode_odd_heads_and_sq(ext):
+    for H, Sq in [(1, 1), (3, 5), (24, 8), (64, 3)]:
+        _run_case(ext, lens=[513, 2, 77], H=H, Sq=Sq, page_size=32, dtype=torch.bfloat16, fused=False, causal=True,
+                  seed=H + Sq)
+
+
+def test_decode_cuda_graph(ext):
+    torch.manual_seed(3)
+    dtype, H, Sq, page = torch.bfloat16, 16, 2, 16
+    cap_lens = [4097, 1000, 300, 64]
+    ckv, kpe, table = _paged_cache(cap_lens, page, dtype, True, 3)
+    B = len(cap_lens)
+    q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
+    q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
+    seqlens = torch.tensor(cap_lens, dtype=torch.int32, device=DEV)
+    out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (builds, allocates workspace) outside the capture
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+    for new_lens in ([4097, 1000, 300, 64], [3, 0, 299, 17], [4000, 999, 1, 64], [0, 0, 0, 0]):
+        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q_nope.copy_(torch.randn_like(q_nope))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
+                                                softmax_scale=SCALE, causal=True)
+        base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, new_lens, SCALE, True)
+        _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {new_lens}")
+        _check(lse, ref_l.float(), base_l, 1e-4, f"lse {new_lens}")
+
+
+def test_decode_rejects_bad_inputs(ext):
+    B, Sq, H = 2, 1, 16
+    q_nope = torch.randn(B, Sq, H, 512, dtype=torch.bfloat16, device=DEV)
+    q_pe = torch.randn(B, Sq, H, 64, dtype=torch.bfloat16, device=DEV)
+    ckv, kpe, table = _paged_cache([5, 9], 16, torch.bfloat16, True, 0)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    out = torch.empty(B, Sq, H, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=DEV)
+    with pytest.raises(RuntimeError, match="q_pe"):
+        ext.decode(q_nope, q_pe.half(), ckv, kpe, table, seqlens, out, lse, SCALE, False)
+    with pytest.raises(RuntimeError, match="cache_seqlens"):
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens.long(), out, lse, SCALE, False)
+    with pytest.raises(RuntimeError, match="block_table"):
+        ext.decode(q_nope, q_pe, ckv, kpe, table[:1], seqlens, out, lse, SCALE, False)
+    with pytest.raises(RuntimeError, match="page_size"):
+        c3 = torch.randn(4, 3, 576, dtype=torch.bfloat16, device=DEV)
+        ext.decode(q_nope, q_pe, c3[..., :512], c3[..., 512:], table, seqlens, out, lse, SCALE, False)
+
+
+if __name__ == "__main__":  # quick diagnostics: python tests/gpu/test_mla_decode_sm80.py
+    e = load_family("mla_decode_sm80")
+    for (lens, H, Sq, page, causal, splits) in [([64], 16, 1, 64, False, 0), ([17], 16, 1, 16, False, 0),
+                                                ([1000, 0, 5], 16, 1, 16, False, 0), ([1000, 3], 128, 1, 64, False, 0),
+                                                ([1000, 3], 16, 2, 1, True, 0), ([1000, 64], 16, 1, 64, False, 3)]:
+        torch.manual_seed(0)
+        B = len(lens)
+        ckv, kpe, table = _paged_cache(lens, page, torch.bfloat16, True, 0)
+        qn = torch.randn(B, Sq, H, 512, dtype=torch.bfloat16, device=DEV)
+        qp = torch.randn(B, Sq, H, 64, dtype=torch.bfloat16, device=DEV)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        out = torch.full((B, Sq, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+        lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+        if splits:
+            e.decode_splits(qn, qp, ckv, kpe, table, sl, out, lse, SCALE, causal, splits)
+        else:
+            e.decode(qn, qp, ckv, kpe, table, sl, out, lse, SCALE, causal)
+        torch.cuda.synchronize()
+        ro, rl = reference.decode_forward(qn.float(), qp.float(), ckv.float(), kpe.float(), table, sl,
+                                          softmax_scale=SCALE, causal=causal)
+        bo, bl = _baseline(qn, qp, ckv, kpe, table, lens, SCALE, causal)
+        d = (out.float() - ro.float()).abs()
+        print(f"lens={lens} H={H} Sq={Sq} page={page} causal={causal} splits={splits}: out nan={int(out.isnan().sum())} "
+              f"err={d.nan_to_num(9e9).max().item():.3e} base_err={(bo.float() - ro.float()).abs().max().item():.3e} "
+              f"lse err={(lse - rl.float()).abs().nan_to_num(9e9).max().item():.3e} lse[0,0]={lse[0,0].tolist()} ref={rl[0,0].tolist()}")
+        if d.nan_to_num(9e9).max() > 0.1:
+            bad = (d.nan_to_num(9e9) > 0.1).nonzero()
+            print("  first bad (b,s,h,d):", bad[:8].tolist(), " count", bad.shape[0])
