@@ -1,0 +1,340 @@
+"""MultiHeadLatentAttention: DeepSeek-V2/V3 MLA as a drop-in nn.Module.
+
+Parameter names and shapes are those of Hugging Face transformers' ``DeepseekV3Attention``
+(``q_proj`` or ``q_a_proj`` + ``q_a_layernorm`` + ``q_b_proj``; ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), so its state_dict loads with ``strict=True`` and the
+outputs match (same rotary layout, same softmax scale including YaRN's mscale).
+
+Two execution paths:
+
+- Training / prefill (``forward`` without a cache, or the first chunk into an empty cache): the
+  latent is expanded to per-head keys ``[k_nope_h, k_pe]`` (the shared roped part broadcast to every
+  head) and values, and :func:`mla_autograd.attention` (or ``attention_varlen`` for packed batches)
+  runs with bottom-right causal masking. Fully differentiable.
+- Cached inference (``cache=MLACache``): the normalized latent and the roped shared key are written
+  into the paged cache. Decode steps (at most ``absorb_max_new_tokens`` = 8 new tokens per sequence)
+  run weight-absorbed on the latent (W_UK folded into the query, W_UV applied to the latent output)
+  through :func:`mla_autograd.decode`. A prefill into an empty cache attends over the new tokens with
+  the expanded path; a longer chunk into a non-empty cache (chunked prefill, or packed sequences of
+  different lengths) expands each sequence's cached latent and runs ``attention_varlen``
+  (bottom-right causal). The absorbed weights are
+  computed once and recomputed when ``kv_b_proj.weight`` changes (tracked by its version counter,
+  storage and dtype; call :meth:`MultiHeadLatentAttention.invalidate_absorbed` after writing
+  ``.data`` directly). Inference only: run it under ``torch.no_grad()`` / ``torch.inference_mode()``.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .cache import MLACache
+from .rope import RotaryEmbedding, mla_softmax_scale
+
+__all__ = ["MultiHeadLatentAttention", "RMSNorm"]
+
+
+def _api():
+    """The package's public attention entry points (attention, attention_varlen, decode)."""
+    from .. import functional  # late import: keeps `import mla_autograd.nn` free of import cycles
+    return functional
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with transformers' DeepseekV3RMSNorm numerics (float32 statistics, weight applied in
+    the input dtype)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32) if dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2/V3).
+
+    Args:
+        hidden_size: model width.
+        num_heads: attention heads.
+        q_lora_rank: None for a full-rank ``q_proj``; else the query low-rank width
+            (``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``).
+        kv_lora_rank: latent width (512 in DeepSeek; the decode kernel needs 512).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head dims (128, 64, 128 in DeepSeek;
+            the decode kernel needs rope 64, the training kernels qk 192 / v 128).
+        rope_theta, max_position_embeddings, rope_scaling: rotary settings; rope_scaling is None or
+            a YaRN dict as in DeepSeek configs (``{"type": "yarn", "factor": 40, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, ...}``).
+        attention_bias: bias on q_a_proj, kv_a_proj_with_mqa and o_proj (as in transformers).
+        rope_interleave: DeepSeek checkpoints rotate interleaved pairs (transformers' default True).
+        norm_eps: epsilon of q_a_layernorm / kv_a_layernorm (1e-6 as in transformers).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None = None,
+                 kv_lora_rank: int = 512, qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64,
+                 v_head_dim: int = 128, rope_theta: float = 10000.0, max_position_embeddings: int = 4096,
+                 rope_scaling: Mapping[str, Any] | None = None, attention_bias: bool = False, *,
+                 rope_interleave: bool = True, norm_eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False, **fk)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias, **fk)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, **fk)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False, **fk)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim,
+                                            bias=attention_bias, **fk)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, **fk)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, **fk)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, **fk)
+
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, max_position_embeddings, rope_scaling,
+                                      interleaved=rope_interleave)
+        self.softmax_scale = mla_softmax_scale(self.qk_head_dim, rope_scaling)
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._absorbed_key = None
+
+    #: With a non-empty cache, dense steps of at most this many new tokens per sequence run the
+    #: weight-absorbed decode (the decode kernel takes 1..8); longer chunks expand the cached latent.
+    absorb_max_new_tokens: int = 8
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_config(cls, config, **overrides) -> "MultiHeadLatentAttention":
+        """Build from a transformers DeepseekV2/V3 config (or any object with the same attributes)."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        rope = dict(rope) if rope else None
+        theta = getattr(config, "rope_theta", None)
+        if rope is not None:
+            theta = rope.get("rope_theta", theta)
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = None
+        kw = dict(
+            hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim, rope_theta=theta if theta is not None else 10000.0,
+            max_position_embeddings=config.max_position_embeddings, rope_scaling=rope,
+            attention_bias=getattr(config, "attention_bias", False),
+            rope_interleave=getattr(config, "rope_interleave", True),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
+                f"kv_lora_rank={self.kv_lora_rank}, qk_nope={self.qk_nope_head_dim}, "
+                f"qk_rope={self.qk_rope_head_dim}, v={self.v_head_dim}, softmax_scale={self.softmax_scale:.6g}")
+
+    def new_cache(self, num_pages: int, page_size: int, batch: int, device=None, dtype=None) -> MLACache:
+        """An allocated :class:`MLACache` sized for this layer (device/dtype default to the weights')."""
+        w = self.kv_b_proj.weight
+        return MLACache(self.kv_lora_rank, self.qk_rope_head_dim).allocate(
+            num_pages, page_size, batch, device if device is not None else w.device,
+            dtype if dtype is not None else w.dtype)
+
+    # ------------------------------------------------------------------ pieces
+    def _queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_lora_rank is None:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(*h.shape[:-1], self.num_heads, self.qk_head_dim)
+        return q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
+
+    def _latents(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ckv = self.kv_a_proj_with_mqa(h)
+        c, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank:]
+        return self.kv_a_layernorm(c), k_pe
+
+    def _expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent (..., r) + roped shared key (..., d_rope) -> per-head K (..., H, Dqk), V (..., H, Dv)."""
+        kv = self.kv_b_proj(c).view(*c.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv[..., : self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
+        k_pe = k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    @staticmethod
+    def _varlen_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+        """Positions restarting at 0 for each packed sequence, computed on the device (no sync)."""
+        cu = cu_seqlens.to(torch.long)
+        lens = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=total)
+        return torch.arange(total, device=cu.device) - cu[seq]
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK (H, qk_nope, r), W_UV^T (H, r, v)) from kv_b_proj, cached until the weight changes."""
+        w = self.kv_b_proj.weight
+        try:
+            version = w._version
+        except RuntimeError:  # inference tensor: no version counter
+            version = None
+        key = (version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
+        if self._absorbed is None or self._absorbed_key != key:
+            with torch.no_grad():
+                wv = w.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+                w_uk = wv[:, : self.qk_nope_head_dim, :].contiguous()
+                w_uv_t = wv[:, self.qk_nope_head_dim:, :].transpose(1, 2).contiguous()
+            self._absorbed = (w_uk, w_uv_t)
+            self._absorbed_key = key
+        return self._absorbed
+
+    def invalidate_absorbed(self) -> None:
+        """Forget the cached absorbed weights (needed only after writing kv_b_proj.weight.data)."""
+        self._absorbed = None
+        self._absorbed_key = None
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_absorbed()
+        return super()._apply(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                cache: MLACache | None = None, *, deterministic: bool = False) -> torch.Tensor:
+        """Causal MLA over hidden_states.
+
+        Dense: hidden_states (B, S, hidden), position_ids (B, S) or (S,) (default 0..S-1, or
+        continuing the cache). Packed varlen: hidden_states (T, hidden) with cu_seqlens int32 (B+1,)
+        and max_seqlen; positions restart at 0 for every sequence (or continue its cached length).
+        cache: an :class:`MLACache`; the new tokens are appended and attend to everything cached
+        (inference only). Returns (B, S, hidden) or (T, hidden).
+        """
+        packed = cu_seqlens is not None
+        if packed:
+            if hidden_states.dim() != 2:
+                raise ValueError(f"with cu_seqlens, hidden_states must be packed (T, hidden), got "
+                                 f"{tuple(hidden_states.shape)}")
+            if max_seqlen is None:
+                raise ValueError("max_seqlen is required with cu_seqlens")
+        elif hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be (B, S, hidden) (or packed (T, hidden) with cu_seqlens), "
+                             f"got {tuple(hidden_states.shape)}")
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size {self.hidden_size}")
+        if cache is not None:
+            return self._forward_cached(hidden_states, position_ids, cu_seqlens, max_seqlen, cache)
+
+        h = hidden_states
+        if position_ids is None:
+            if packed:
+                position_ids = self._varlen_positions(cu_seqlens, h.shape[0])
+            else:
+                position_ids = torch.arange(h.shape[1], device=h.device)
+        q_nope, q_pe, c, k_pe = self._project(h, position_ids)
+        k, v = self._expand(c, k_pe)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        F_ = _api()
+        if packed:
+            cu = cu_seqlens.to(device=h.device, dtype=torch.int32)
+            o = F_.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True,
+                                    causal_align="bottom_right", softmax_scale=self.softmax_scale,
+                                    deterministic=deterministic)
+        else:
+            o = F_.attention(q, k, v, causal=True, causal_align="bottom_right",
+                             softmax_scale=self.softmax_scale, deterministic=deterministic)
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
+
+    def _project(self, h, position_ids):
+        """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h."""
+        q_nope, q_pe = self._queries(h)
+        c, k_pe = self._latents(h)
+        cos, sin = self.rotary(position_ids)  # (..., d/2), broadcast over the batch when (S,)
+        q_pe = self.rotary.rotate(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        k_pe = self.rotary.rotate(k_pe, cos, sin)
+        return q_nope, q_pe, c, k_pe
+
+    def _forward_cached(self, h, position_ids, cu_seqlens, max_seqlen, cache: MLACache) -> torch.Tensor:
+        if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError("MultiHeadLatentAttention: the cached (decode) path is inference only; "
+                               "call it under torch.no_grad() or torch.inference_mode()")
+        if cache.kv_lora_rank != self.kv_lora_rank or cache.qk_rope_head_dim != self.qk_rope_head_dim:
+            raise ValueError(f"cache dims ({cache.kv_lora_rank}, {cache.qk_rope_head_dim}) != layer dims "
+                             f"({self.kv_lora_rank}, {self.qk_rope_head_dim})")
+        packed = cu_seqlens is not None
+        empty = cache.is_empty()
+        counts = None
+        if packed:
+            cu = cu_seqlens.to(device=h.device, dtype=torch.int32)
+            counts = torch.diff(cu_seqlens.cpu().long()).tolist()
+            if position_ids is None:
+                start = cache.seqlens.to(h.device, torch.long)
+                pos = self._varlen_positions(cu, h.shape[0])
+                seq = torch.repeat_interleave(torch.arange(len(counts), device=h.device),
+                                              torch.as_tensor(counts, device=h.device), output_size=h.shape[0])
+                position_ids = pos + start[seq]
+        else:
+            if h.shape[0] != cache.batch:
+                raise ValueError(f"batch {h.shape[0]} != cache batch {cache.batch}")
+            if position_ids is None:
+                position_ids = cache.positions(h.shape[1]).to(h.device)
+        q_nope, q_pe, c, k_pe = self._project(h, position_ids)
+        cache.append(c, k_pe, cu_seqlens=cu_seqlens if packed else None, new_lengths=counts)
+        F_ = _api()
+        if empty:
+            # Prefill into an empty cache: plain causal attention over the new tokens, expanded.
+            k, v = self._expand(c, k_pe)
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            if packed:
+                o = F_.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True,
+                                        causal_align="bottom_right", softmax_scale=self.softmax_scale)
+            else:
+                o = F_.attention(q, k, v, causal=True, causal_align="bottom_right",
+                                 softmax_scale=self.softmax_scale)
+            return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
+        if not packed and h.shape[1] <= self.absorb_max_new_tokens:
+            # Decode steps (and short chunks): weight-absorbed attention on the latent cache.
+            o = self._absorbed_attention(q_nope, q_pe, cache)  # (B, S, H, v)
+            return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
+        # Longer chunks into a non-empty cache (chunked prefill), or packed continuations: expand the
+        # whole cached latent of each sequence and run varlen attention, bottom-right causal.
+        ckv_all, kpe_all, cu_k, max_k = cache.gather_all()
+        k, v = self._expand(ckv_all.to(c.dtype), kpe_all.to(k_pe.dtype))
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        if packed:
+            q_cu, max_q = cu, max_seqlen
+        else:
+            B, S = q.shape[:2]
+            q = q.reshape(B * S, self.num_heads, self.qk_head_dim)
+            q_cu = torch.arange(0, B * S + 1, S, device=h.device, dtype=torch.int32)
+            max_q = S
+        o = F_.attention_varlen(q, k, v, q_cu, cu_k, max_q, max_k, causal=True, causal_align="bottom_right",
+                                softmax_scale=self.softmax_scale)
+        if not packed:
+            o = o.view(B, S, self.num_heads, self.v_head_dim)
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
+
+    def _absorbed_attention(self, q_nope, q_pe, cache: MLACache) -> torch.Tensor:
+        """q_nope (B, S, H, nope), q_pe (B, S, H, rope) over the cache -> (B, S, H, v)."""
+        B, S, H, _ = q_nope.shape
+        w_uk, w_uv_t = self.absorbed_weights()
+        # W_UK folded into the query: (H, B*S, nope) @ (H, nope, r) -> (B, S, H, r)
+        qn = q_nope.to(w_uk.dtype).permute(2, 0, 1, 3).reshape(H, B * S, self.qk_nope_head_dim)
+        q_lat = torch.bmm(qn, w_uk).view(H, B, S, self.kv_lora_rank).permute(1, 2, 0, 3)
+        cd = cache.dtype
+        o_lat = _api().decode(q_lat.to(cd).contiguous(), q_pe.to(cd).contiguous(), cache.ckv, cache.kpe,
+                              cache.block_table, cache.seqlens, softmax_scale=self.softmax_scale, causal=True)
+        # W_UV after attention: (H, B*S, r) @ (H, r, v) -> (B, S, H, v)
+        ol = o_lat.to(w_uv_t.dtype).permute(2, 0, 1, 3).reshape(H, B * S, self.kv_lora_rank)
+        o = torch.bmm(ol, w_uv_t).view(H, B, S, self.v_head_dim).permute(1, 2, 0, 3)
+        return o.to(q_nope.dtype)
