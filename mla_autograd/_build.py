@@ -132,6 +132,21 @@ def _cccl_dirs() -> list[str]:
     return []
 
 
+def _pip_cuda_header_dirs() -> list[str]:
+    """Header dirs of the nvidia-* wheels torch depends on (cusparse.h, cublas_v2.h, ...): ATen's CUDA
+    headers include them and a bare toolkit may lack them. Searched last (-idirafter), so they
+    never shadow the toolkit's own headers."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out = []
+    for root in spec.submodule_search_locations:
+        for inc in sorted(Path(root).glob("*/include")):
+            if (inc / "cusparse.h").is_file() or (inc / "cublas_v2.h").is_file():
+                out.append(str(inc))
+    return out
+
+
 def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list[str]]:
     """(include dirs, C++ flags, nvcc flags) for a family."""
     cut = cutlass_dirs()
@@ -141,7 +156,7 @@ def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list
     inc, ex = cut
     includes = [str(csrc_dir()), str(inc), str(ex), str(ex / "common")] + _cccl_dirs()
     # torch >= 2.12 headers need C++20; CUTLASS 4.2 compiles as C++17 or C++20.
-    cflags = ["-O3", "-std=c++20"]
+    cflags = ["-O3", "-std=c++20"] + [f for d in _pip_cuda_header_dirs() for f in ("-idirafter", d)]
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda",
             "-lineinfo", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]

@@ -1,0 +1,528 @@
+// SM90 (Hopper) fused attention forward: warp-specialized TMA + wgmma kernel.
+//
+// CTA = 1 producer warpgroup (warp 0 issues TMA) + kNWG consumer warpgroups (64 query rows each).
+//   Producer: Q once (own mbarrier), then per key block (last block first) K(n) and V(n) into a
+//             kStages-deep ring of full/empty mbarriers (separate K and V barriers).
+//   Consumers: S = Q K^T (SS wgmma, Q and K in smem), online softmax in exp2 with the scale folded,
+//             P converted in registers, O += P V (RS wgmma, V read MN-major from smem).
+//             Intra-warpgroup overlap: QK of block j and PV of block j-1 are issued back to back;
+//             the softmax of block j runs while PV(j-1) is in flight.
+//   Epilogue: O and LSE written from registers with row predicates (no TMA store: varlen tiles may
+//             cross a sequence end; the caller provides no padding).
+// One CTA per (head, batch) x M-block; M-blocks are issued longest-first (reverse order) for causal.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/array.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "sm90/fmha_fwd_sm90_config.h"
+#include "sm90/fmha_fwd_sm90_params.h"
+#include "sm90/sm90_attn_common.cuh"
+
+namespace mla_sm90 {
+
+using namespace cute;
+
+// Schedules (kSched):
+//   0 (v1, default, validated on the H200): producer loads K(n), V(n) per block; O rescaled right
+//     after PV(n+1) completes.
+//   1 (v2): producer loads K(n) ahead of V(n+1); the O rescale is deferred to just after the next QK
+//     issue so it overlaps that GEMM (FA3's order).
+//   2 (v2 + pingpong): as 1, and the consumer warpgroups take turns issuing GEMMs (named barriers).
+// Schedules 1 and 2 are opt-in (MLA_FWD_SM90_SCHED=1|2) until measured on the device.
+template <class Element_, int kDqk_, int kDv_, int kSched_>
+struct FwdTraits {
+  using Element = Element_;
+  using Cfg = FmhaFwdSm90Config<kDqk_, kDv_>;
+  static constexpr int kDqk = kDqk_, kDv = kDv_;
+  // Pingpong: named barriers make the consumer warpgroups take turns issuing their GEMMs, so one
+  // warpgroup's softmax overlaps the other's GEMMs (FA3's inter-warpgroup schedule).
+  static constexpr int kSched = kSched_;
+  static constexpr bool kPingpong = kSched_ == 2;
+  static constexpr bool kKAheadOfV = kSched_ >= 1;
+  static constexpr bool kDeferRescale = kSched_ >= 1;
+  static constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
+  static constexpr int kNWG = Cfg::kConsumerWG, kStages = Cfg::kStages;
+  static constexpr int kThreads = 128 * (kNWG + 1);
+  static constexpr int kMmaWarps = 4 * kNWG;
+  static_assert(kBM == 64 * kNWG, "each consumer warpgroup owns 64 query rows");
+
+  using BM = Int<kBM>;
+  using BN = Int<kBN>;
+  using DQK = Int<kDqk>;
+  using DV = Int<kDv>;
+
+  using AtomLayout = Layout<Shape<Int<kNWG>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, DQK>>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, DV, BN>, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, DQK>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, DQK>{}));
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, DQK>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, DQK, Int<kStages>>{}));
+  // V^T (Dv, BN) per stage, Dv contiguous (MN-major B operand of the PV wgmma); atoms ordered along BN
+  // first so each 64-column chunk of V is one dense TMA box.
+  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, DV, BN>());
+  using SmemLayoutVt = decltype(tile_to_shape(SmemAtomVt{}, Shape<DV, BN, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  // Global tensors seen by TMA: (rows, d, head, batch) for Q/K, (d, rows, head, batch) for V^T.
+  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GStrideT = Stride<_1, int64_t, int64_t, int64_t>;
+
+  using TMA_Q = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutQ{}, Shape<BM, DQK>{}, _1{}));
+  using TMA_K = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      take<0, 2>(SmemLayoutK{}), Shape<BN, DQK>{}, _1{}));
+  using TMA_V = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStrideT{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<DV, BN>{}, _1{}));
+
+  static constexpr uint32_t kBytesQ = kBM * kDqk * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBN * kDqk * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBN * kDv * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
+    alignas(16) uint64_t bar_q;
+    uint64_t full_k[kStages];
+    uint64_t empty_k[kStages];
+    uint64_t full_v[kStages];
+    uint64_t empty_v[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared storage exceeds the 227 KiB opt-in limit");
+
+  struct KernelParams {
+    FmhaFwdSm90Params p;
+    TMA_Q tma_q;
+    TMA_K tma_k;
+    TMA_V tma_v;
+    GShape shape_q, shape_k, shape_vt;
+  };
+};
+
+// ------------------------------------------------------------------------------------------------
+// Issue one warpgroup GEMM (all K slices) as one wgmma batch; does not wait.
+template <bool kARegs, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wg_gemm(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
+  warpgroup_fence_operand(C);
+  warpgroup_arrive();
+  tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(A); ++kb) {
+    cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
+    tm.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(C);
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
+}
+
+// Convert an fp32 register tensor into a same-sized 16-bit one (vectorized).
+template <class TOut, class TIn>
+CUTE_DEVICE void convert_frag(TIn const& in, TOut& out) {
+  using To = typename TOut::value_type;
+  constexpr int N = decltype(size(in))::value;
+  static_assert(N % 2 == 0);
+  using Conv = cutlass::NumericArrayConverter<To, float, 2, cutlass::FloatRoundStyle::round_to_nearest>;
+  Conv conv;
+  auto const* src = reinterpret_cast<cutlass::Array<float, 2> const*>(raw_pointer_cast(in.data()));
+  auto* dst = reinterpret_cast<cutlass::Array<To, 2>*>(raw_pointer_cast(out.data()));
+  CUTE_UNROLL
+  for (int i = 0; i < N / 2; ++i) dst[i] = conv(src[i]);
+}
+
+// Online softmax state for the rows a thread holds (R rows, quad-shared).
+template <int R>
+struct OnlineSoftmax {
+  float row_max[R];
+  float row_sum[R];  // thread-partial, quad-reduced at the end
+
+  CUTE_DEVICE void init() {
+    CUTE_UNROLL
+    for (int r = 0; r < R; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // S (rows, cols) view of the fp32 scores; turned into unnormalised probabilities in place.
+  // alpha: factor to rescale the previous O/sum by.
+  template <class TS>
+  CUTE_DEVICE void step(TS& S, float c, float (&alpha)[R]) {
+    CUTE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      float m_old = row_max[r];
+      float mx = m_old;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(r, j));
+      mx = quad_max(mx);
+      row_max[r] = mx;
+      // A row with no visible key so far keeps -inf; subtract 0 then so p = exp2(-inf) = 0, no NaN.
+      float mc = (mx == -INFINITY) ? 0.f : mx * c;
+      alpha[r] = fast_exp2(m_old * c - mc);  // m_old = -inf -> 0
+      float s = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        float pj = fast_exp2(fmaf(S(r, j), c, -mc));
+        S(r, j) = pj;
+        s += pj;
+      }
+      row_sum[r] = row_sum[r] * alpha[r] + s;
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, 1)
+fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
+  using Element = typename KT::Element;
+  constexpr int kBM = KT::kBM, kBN = KT::kBN, kStages = KT::kStages;
+  using BM = typename KT::BM;
+  using BN = typename KT::BN;
+  using DQK = typename KT::DQK;
+  using DV = typename KT::DV;
+  using SharedStorage = typename KT::SharedStorage;
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+  FmhaFwdSm90Params const& p = kp.p;
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const wg_idx = cutlass::canonical_warp_group_idx();
+  int const lane = threadIdx.x % 32;
+
+  // ---- tile coordinates (uniform over the CTA) ----
+  int const h = blockIdx.x % p.hq;
+  int const b = blockIdx.x / p.hq;
+  int const m_block = int(gridDim.y) - 1 - int(blockIdx.y);  // longest (causal) first
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+  if (m_block * kBM >= si.seqlen_q) return;  // beyond this sequence (varlen): whole CTA leaves
+  MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
+  int n_min, n_max;
+  mi.template n_block_range<kBM, kBN>(m_block, n_min, n_max);
+  int const h_kv = h / (p.hq / p.hkv);
+  int const b_tma_q = p.cu_seqlens_q != nullptr ? 0 : b;
+  int const b_tma_k = p.cu_seqlens_k != nullptr ? 0 : b;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
+
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    TxBarrier::init(&ss.bar_q, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      TxBarrier::init(&ss.full_k[s], 1);
+      TxBarrier::init(&ss.full_v[s], 1);
+      ClusterBarrier::init(&ss.empty_k[s], KT::kMmaWarps);
+      ClusterBarrier::init(&ss.empty_v[s], KT::kMmaWarps);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (wg_idx == 0) {
+    // ================================ producer ================================
+    cutlass::arch::warpgroup_reg_dealloc<KT::Cfg::kProducerRegs>();
+    if (warp_idx == 0 && n_max > n_min && cute::elect_one_sync()) {
+      Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q)(_, _, h, b_tma_q);
+      Tensor gQ = local_tile(domain_offset(make_coord(int(si.offset_q), _0{}), mQ), Shape<BM, DQK>{},
+                             make_coord(m_block, _0{}));
+      Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k)(_, _, h_kv, b_tma_k);
+      Tensor gK = local_tile(domain_offset(make_coord(int(si.offset_k), _0{}), mK), Shape<BN, DQK>{},
+                             make_coord(_, _0{}));  // (BN, D, nblk)
+      Tensor mVt = kp.tma_v.get_tma_tensor(kp.shape_vt)(_, _, h_kv, b_tma_k);
+      Tensor gVt = local_tile(domain_offset(make_coord(_0{}, int(si.offset_k)), mVt), Shape<DV, BN>{},
+                              make_coord(_0{}, _));  // (Dv, BN, nblk)
+
+      auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+
+      TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
+      copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
+
+      // kKAheadOfV: K(n_max-1), then K(n) before V(n+1), then V(n_min): the consumers need K(n) for
+      // QK(n) one step before V(n+1) for PV(n+1). Else K(n), V(n) per block. Either way the K and V
+      // rings advance once per block, so block n uses the same stage index in both.
+      int k_stage = 0, v_stage = 0;
+      uint32_t k_phase = 1, v_phase = 1;  // producer waits on "empty" starting from the completed phase
+      auto load_k = [&](int n) {
+        ClusterBarrier::wait(&ss.empty_k[k_stage], k_phase);
+        TxBarrier::arrive_and_expect_tx(&ss.full_k[k_stage], KT::kBytesK);
+        copy(kp.tma_k.with(ss.full_k[k_stage], 0), tKg(_, n), tKs(_, k_stage));
+        if (++k_stage == kStages) { k_stage = 0; k_phase ^= 1; }
+      };
+      auto load_v = [&](int n) {
+        ClusterBarrier::wait(&ss.empty_v[v_stage], v_phase);
+        TxBarrier::arrive_and_expect_tx(&ss.full_v[v_stage], KT::kBytesV);
+        copy(kp.tma_v.with(ss.full_v[v_stage], 0), tVg(_, n), tVs(_, v_stage));
+        if (++v_stage == kStages) { v_stage = 0; v_phase ^= 1; }
+      };
+      if constexpr (KT::kKAheadOfV) {
+        load_k(n_max - 1);
+        for (int n = n_max - 2; n >= n_min; --n) {
+          load_k(n);
+          load_v(n + 1);
+        }
+        load_v(n_min);
+      } else {
+        // Schedule 0 exactly as validated on the device: one stage counter for both rings.
+        int stage = 0;
+        uint32_t phase = 1;
+        for (int n = n_max - 1; n >= n_min; --n) {
+          ClusterBarrier::wait(&ss.empty_k[stage], phase);
+          TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
+          copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
+          ClusterBarrier::wait(&ss.empty_v[stage], phase);
+          TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
+          copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+  } else {
+    // ================================ consumers ================================
+    cutlass::arch::warpgroup_reg_alloc<KT::Cfg::kConsumerRegs>();
+    int const tid = threadIdx.x - 128;
+
+    typename KT::TiledMmaQK mma_qk;
+    typename KT::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<BM, BN>{});
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<BM, DV>{});
+    Tensor tOrP = make_tensor<Element>(acc_to_A_regs(tSrS.layout()));
+
+    Tensor S_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    Tensor O_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<BM, BN>{}));
+    Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+    constexpr int R = decltype(size<0>(S_rc))::value;
+
+    OnlineSoftmax<R> sm;
+    sm.init();
+    clear(tOrO);
+    float const c = p.softmax_scale * float(M_LOG2E);
+    int const row0 = m_block * kBM;
+
+    auto release = [&](uint64_t* bar) {
+      if (lane == 0) ClusterBarrier::arrive(bar);
+    };
+    int const cwg = wg_idx - 1;  // consumer warpgroup 0..kNWG-1
+    // Named barrier cwg: "consumer warpgroup cwg may issue its GEMMs" (128 waiting + 128 arriving).
+    auto turn_wait = [&]() {
+      if constexpr (KT::kPingpong) cutlass::arch::NamedBarrier::sync(256, cwg);
+    };
+    auto turn_pass = [&]() {
+      if constexpr (KT::kPingpong) cutlass::arch::NamedBarrier::arrive(256, (cwg + 1) % KT::kNWG);
+    };
+
+    if (n_max > n_min) {
+      if constexpr (KT::kPingpong) {
+        if (cwg == 0) cutlass::arch::NamedBarrier::arrive(256, 0);  // the first warpgroup starts
+      }
+      TxBarrier::wait(&ss.bar_q, 0);
+      int stage = 0;
+      uint32_t phase = 0;
+      float alpha[R];
+      // O *= alpha (row-wise): after PV(n+1) completes (kSched 0) or just after the next QK issue.
+      auto rescale_o = [&]() {
+        CUTE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
+        }
+      };
+
+      // ---- first (last-index) key block: peeled, no PV yet ----
+      int n = n_max - 1;
+      TxBarrier::wait(&ss.full_k[stage], phase);
+      turn_wait();
+      wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
+      turn_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_k[stage]);
+      if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
+      sm.step(S_rc, c, alpha);
+      convert_frag(tSrS, tOrP);
+      int v_stage = stage;
+      uint32_t v_phase = phase;
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      bool first_pv = true;
+
+      // ---- steady state: QK(n) and PV(n+1) in flight together ----
+      for (n = n_max - 2; n >= n_min; --n) {
+        TxBarrier::wait(&ss.full_k[stage], phase);
+        if constexpr (KT::kPingpong) TxBarrier::wait(&ss.full_v[v_stage], v_phase);  // before taking the turn
+        turn_wait();
+        wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
+        if constexpr (KT::kDeferRescale) rescale_o();  // previous block's alpha, while QK(n) runs
+        if constexpr (!KT::kPingpong) TxBarrier::wait(&ss.full_v[v_stage], v_phase);
+        wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
+        turn_pass();
+        warpgroup_wait<1>();
+        release(&ss.empty_k[stage]);
+        if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
+        sm.step(S_rc, c, alpha);
+        warpgroup_wait<0>();
+        release(&ss.empty_v[v_stage]);
+        if constexpr (!KT::kDeferRescale) rescale_o();
+        convert_frag(tSrS, tOrP);
+        v_stage = stage;
+        v_phase = phase;
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        first_pv = false;
+      }
+
+      // ---- last PV ----
+      TxBarrier::wait(&ss.full_v[v_stage], v_phase);
+      turn_wait();
+      if constexpr (KT::kDeferRescale) rescale_o();
+      wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
+      turn_pass();
+      warpgroup_wait<0>();
+      release(&ss.empty_v[v_stage]);
+    }
+
+    // ---- finalize: normalise, LSE ----
+    float lse_r[R];
+    CUTE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      float sum = quad_sum(sm.row_sum[r]);
+      bool dead = !(sum > 0.f);  // no visible key (0) or NaN
+      float inv = dead ? 0.f : 1.f / sum;
+      lse_r[r] = dead ? -INFINITY : sm.row_max[r] * p.softmax_scale + logf(sum);
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= inv;
+    }
+
+    // ---- epilogue: predicated stores from registers ----
+    int const rows_left = si.seqlen_q - row0;
+    int const b_dense = varlen ? 0 : b;
+    Element* o_tile = static_cast<Element*>(p.o) + (si.offset_q + int64_t(row0)) * p.o_row_stride +
+                      int64_t(h) * p.o_head_stride + int64_t(b_dense) * p.o_batch_stride;
+    Tensor rO = make_tensor<Element>(tOrO.layout());
+    convert_frag(tOrO, rO);
+    Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(rO); i += 2) {
+      int r = get<0>(cO(i));
+      int col = get<1>(cO(i));
+      if (r < rows_left) {
+        *reinterpret_cast<uint32_t*>(o_tile + int64_t(r) * p.o_row_stride + col) =
+            *reinterpret_cast<uint32_t const*>(&rO(i));
+      }
+    }
+    if (lane % 4 == 0) {
+      float* lse_tile = p.lse + int64_t(h) * p.lse_head_stride + int64_t(b_dense) * p.lse_batch_stride +
+                        si.offset_q + row0;
+      CUTE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        int row = get<0>(cS_rc(r, 0));
+        if (row < rows_left) lse_tile[row] = lse_r[r];
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+template <class Element, int kDqk, int kDv, int kSched>
+cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stream) {
+  using KT = FwdTraits<Element, kDqk, kDv, kSched>;
+  using GShape = typename KT::GShape;
+  bool const varlen_q = p.cu_seqlens_q != nullptr;
+  bool const varlen_k = p.cu_seqlens_k != nullptr;
+  int const nb_q = varlen_q ? 1 : p.batch;
+  int const nb_k = varlen_k ? 1 : p.batch;
+  // With a single batch entry its stride is never used; keep it a valid multiple of 16 bytes.
+  int64_t const qbs = varlen_q ? 8 : p.q_batch_stride;
+  int64_t const kbs = varlen_k ? 8 : p.k_batch_stride;
+  int64_t const vbs = varlen_k ? 8 : p.v_batch_stride;
+
+  GShape shape_q = make_shape(int32_t(p.rows_q), int32_t(kDqk), int32_t(p.hq), int32_t(nb_q));
+  GShape shape_k = make_shape(int32_t(p.rows_k), int32_t(kDqk), int32_t(p.hkv), int32_t(nb_k));
+  GShape shape_vt = make_shape(int32_t(kDv), int32_t(p.rows_k), int32_t(p.hkv), int32_t(nb_k));
+
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), shape_q,
+                          make_stride(p.q_row_stride, _1{}, p.q_head_stride, qbs));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), shape_k,
+                          make_stride(p.k_row_stride, _1{}, p.k_head_stride, kbs));
+  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), shape_vt,
+                           make_stride(_1{}, p.v_row_stride, p.v_head_stride, vbs));
+
+  typename KT::KernelParams kp{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename KT::SmemLayoutQ{}, Shape<typename KT::BM, typename KT::DQK>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename KT::SmemLayoutK{}), Shape<typename KT::BN, typename KT::DQK>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename KT::SmemLayoutVt{}), Shape<typename KT::DV, typename KT::BN>{}, _1{}),
+      shape_q, shape_k, shape_vt};
+
+  int const num_m = (p.seqlen_q + KT::kBM - 1) / KT::kBM;
+  if (num_m == 0 || p.batch == 0 || p.hq == 0) return cudaSuccess;
+  dim3 grid(unsigned(p.hq) * unsigned(p.batch), unsigned(num_m), 1);
+  dim3 block(KT::kThreads, 1, 1);
+  auto kernel = fmha_fwd_sm90_kernel<KT>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, block, KT::kSmemBytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+// Schedule: the config's default (kSched); MLA_FWD_SM90_SCHED=0|1|2 overrides it (benchmarking).
+template <class Element, int kDqk, int kDv>
+cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, cudaStream_t stream) {
+  static int const env = [] {
+    char const* e = std::getenv("MLA_FWD_SM90_SCHED");
+    return (e != nullptr && e[0] >= '0' && e[0] <= '2') ? e[0] - '0' : -1;
+  }();
+  int sched = env < 0 ? FmhaFwdSm90Config<kDqk, kDv>::kSched : env;
+  // 64/64 (3 consumer warpgroups, 128-register compile cap) spills 20 bytes under schedule 1: not built.
+  if (FmhaFwdSm90Config<kDqk, kDv>::kConsumerWG == 3 && sched == 1) sched = 0;
+  switch (sched) {
+    case 1:
+      if constexpr (FmhaFwdSm90Config<kDqk, kDv>::kConsumerWG != 3)
+        return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 1>(p, stream);
+      return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 0>(p, stream);
+    case 2: return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 2>(p, stream);
+    default: return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 0>(p, stream);
+  }
+}
+
+}  // namespace mla_sm90
+
+#define MLA_FMHA_FWD_SM90_DEFINE_LAUNCHER(DQK, DV)                                                  \
+  cudaError_t fmha_fwd_sm90_launch_##DQK##_##DV(FmhaFwdSm90Params const& p, cudaStream_t stream) { \
+    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, stream)          \
+                     : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, stream);             \
+  }

@@ -1,0 +1,41 @@
+// Host/device parameter block of the SM90 forward attention kernel (plain C++: the g++-compiled
+// API layer fills it, the nvcc-compiled launchers read it). Strides are in elements.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+struct FmhaFwdSm90Params {
+  // Pointers (16-byte aligned).
+  void const* q;
+  void const* k;
+  void const* v;
+  void* o;
+  float* lse;
+
+  // q (B, Sq, Hq, Dqk) dense or (Tq, Hq, Dqk) varlen: row / head / batch strides (batch unused in varlen).
+  int64_t q_row_stride, q_head_stride, q_batch_stride;
+  int64_t k_row_stride, k_head_stride, k_batch_stride;
+  int64_t v_row_stride, v_head_stride, v_batch_stride;
+  int64_t o_row_stride, o_head_stride, o_batch_stride;
+  // lse (B, Hq, Sq) dense or (Hq, Tq) varlen; the row stride is 1.
+  int64_t lse_head_stride, lse_batch_stride;
+
+  int batch;             // number of sequences
+  int hq, hkv;           // query heads, key/value heads (hq % hkv == 0)
+  int dqk, dv;           // head dims
+  int seqlen_q, seqlen_k;  // dense: lengths; varlen: max lengths
+  int rows_q, rows_k;    // rows of the q/k tensors along the sequence dim (dense: Sq/Sk; varlen: Tq/Tk)
+  int const* cu_seqlens_q;  // nullptr when dense
+  int const* cu_seqlens_k;
+
+  float softmax_scale;
+  bool causal;
+  bool bottom_right;
+  bool is_bf16;
+};
+
+// Launchers, one per head-dim pair (each in its own translation unit).
+cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, cudaStream_t stream);
+cudaError_t fmha_fwd_sm90_launch_128_128(FmhaFwdSm90Params const& p, cudaStream_t stream);
+cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, cudaStream_t stream);

@@ -1,0 +1,133 @@
+// Shared SM90 attention helpers: per-sequence lengths/offsets, causal block ranges, masks,
+// accumulator layout views and small math. Used by fmha_fwd_sm90 (and usable by fmha_bwd_sm90).
+// Everything here is header-only device code built on CuTe; no state.
+#pragma once
+
+#include <cstdint>
+#include <cute/tensor.hpp>
+
+namespace mla_sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------------------------------------
+// Sequence info: lengths and row offsets of batch b, dense or varlen (cu_seqlens int32 (B+1)).
+struct SeqInfo {
+  int seqlen_q, seqlen_k;   // lengths of this sequence
+  int64_t offset_q, offset_k;  // first row of this sequence in the (packed or per-batch) tensor
+
+  CUTE_DEVICE SeqInfo(int b, int dense_sq, int dense_sk, int const* cu_q, int const* cu_k) {
+    if (cu_q != nullptr) {
+      int q0 = cu_q[b], q1 = cu_q[b + 1];
+      seqlen_q = q1 - q0;
+      offset_q = q0;
+    } else {
+      seqlen_q = dense_sq;
+      offset_q = 0;
+    }
+    if (cu_k != nullptr) {
+      int k0 = cu_k[b], k1 = cu_k[b + 1];
+      seqlen_k = k1 - k0;
+      offset_k = k0;
+    } else {
+      seqlen_k = dense_sk;
+      offset_k = 0;
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Causal geometry. Query i (of this sequence) sees key j iff j < Sk and (!causal || j <= i + diag),
+// diag = Sk - Sq for bottom-right alignment, 0 for top-left.
+struct MaskInfo {
+  int seqlen_q, seqlen_k, diag;
+  bool causal;
+
+  CUTE_DEVICE MaskInfo(int sq, int sk, bool causal_, bool bottom_right)
+      : seqlen_q(sq), seqlen_k(sk), diag(bottom_right ? sk - sq : 0), causal(causal_) {}
+
+  // Key blocks [n_min, n_max) that an M-block of kBM query rows must visit.
+  template <int kBM, int kBN>
+  CUTE_DEVICE void n_block_range(int m_block, int& n_min, int& n_max) const {
+    int hi = seqlen_k;
+    if (causal) {
+      int64_t last_visible = int64_t(m_block + 1) * kBM + diag;  // exclusive bound on key index
+      hi = int(last_visible < int64_t(hi) ? last_visible : int64_t(hi));
+    }
+    n_min = 0;
+    n_max = hi <= 0 ? 0 : (hi + kBN - 1) / kBN;
+  }
+
+  // Whether key block n needs any masking for M-block m (seqlen_k bound or causal diagonal).
+  template <int kBM, int kBN>
+  CUTE_DEVICE bool block_needs_mask(int m_block, int n_block) const {
+    if ((n_block + 1) * kBN > seqlen_k) return true;
+    if (causal) {
+      // The smallest row of the tile sees keys j <= m*BM + diag; the block's largest key is (n+1)*BN-1.
+      int64_t first_row_bound = int64_t(m_block) * kBM + diag;
+      if (int64_t(n_block + 1) * kBN - 1 > first_row_bound) return true;
+    }
+    return false;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).
+// (row, col) view: ((2 [row half], MMA_M), (2 [col pair], N/8, MMA_N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3, "expects an SM90 GMMA accumulator layout");
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// Accumulator of a 64xN wgmma reinterpreted as the A-operand register fragment of an RS wgmma
+// with K = N: ((2, 2, N/8), M, 1) -> ((2, 2, 2), M, N/16).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_to_A_regs(Layout const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3, "expects an SM90 GMMA accumulator layout");
+  auto v = logical_divide(get<0>(l), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(l),
+                     make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// ------------------------------------------------------------------------------------------------
+CUTE_DEVICE float fast_exp2(float x) {
+  float y;
+  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return x;
+}
+
+CUTE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x;
+}
+
+// Apply the mask to a score tile held in the (row, col) view. tScS: identity coordinates of the
+// same view (tile-local (row, col)). row0/col0: the tile's first query/key index in the sequence.
+template <class TS, class TC>
+CUTE_DEVICE void apply_mask(TS& S, TC const& C, MaskInfo const& mi, int row0, int col0) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(S); ++r) {
+    int row = row0 + get<0>(C(r, 0));
+    int limit = mi.seqlen_k;
+    if (mi.causal) {
+      int c = row + mi.diag + 1;
+      limit = c < limit ? c : limit;
+    }
+    limit -= col0;  // exclusive column bound within the tile
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      if (get<1>(C(r, c)) >= limit) S(r, c) = -INFINITY;
+    }
+  }
+}
+
+}  // namespace mla_sm90

@@ -1,0 +1,338 @@
+"""GPU tests of the fmha_fwd_sm90 kernel family (SM90 fused attention forward: TMA, wgmma, warp
+specialization).
+
+Reference: mla_autograd.reference.attention_forward in float32 on the same 16-bit inputs.
+Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plain PyTorch in the same dtype
+(mla_autograd.testing.naive_attention) + eps. out and lse are NaN-poisoned before every call so
+unwritten elements fail. lse is compared with an absolute tolerance (fp32 on both sides) and must
+be -inf exactly where the reference is.
+
+`python tests/gpu/test_fmha_fwd_sm90.py --bench` times the kernel beside SDPA cuDNN (B=2 H=16 S=8192);
+`--smoke` runs one small case per head-dim pair and mask. The kernel schedule can be forced with
+MLA_FWD_SM90_SCHED=0|1|2 (see csrc/sm90/fmha_fwd_sm90_kernel.cuh); run this file under each before
+changing a config default.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+_CAP_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+if not _CAP_OK and __name__ != "__main__":
+    pytest.skip("fmha_fwd_sm90 needs an SM90 GPU (compute capability 9.0)", allow_module_level=True)
+
+from mla_autograd import reference  # noqa: E402
+from mla_autograd.testing import assert_error_within, naive_attention  # noqa: E402
+
+DEV = "cuda"
+DIMS = [(192, 128), (128, 128), (64, 64)]
+DTYPES = [torch.bfloat16, torch.float16]
+MASKS = [(False, False), (True, False), (True, True)]  # (causal, bottom_right)
+# (Sq, Sk, Hq, Hkv): lengths 1/17/113/1023, Sq != Sk both ways, Hq/Hkv in {1,2,8}
+SHAPES = [(1, 1, 1, 1), (17, 113, 2, 1), (113, 17, 8, 2), (1023, 1023, 8, 8), (113, 1023, 2, 2),
+          (1023, 17, 8, 1), (1, 1023, 8, 2), (1023, 1, 2, 1)]
+EPS = 1e-4
+LSE_ATOL = 2e-3
+
+
+def _load():
+    try:
+        from mla_autograd._build import load_family
+        return load_family("fmha_fwd_sm90")
+    except ImportError:  # pragma: no cover - before the package's builder existed
+        import os
+        from torch.utils.cpp_extension import load
+        import cutlass_library
+        root = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
+        inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+        srcs = [os.path.join(root, "sm90", f) for f in sorted(os.listdir(os.path.join(root, "sm90")))
+                if f.startswith("fmha_fwd_sm90") and f.endswith((".cu", ".cpp"))]
+        return load("fmha_fwd_sm90", srcs, extra_include_paths=[root, inc],
+                    extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+                                       "-std=c++20", "-O3"])
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return _load()
+
+
+def _mask_id(m):
+    return {(False, False): "nomask", (True, False): "causal_tl", (True, True): "causal_br"}[m]
+
+
+def _rand(shape, dtype, g):
+    return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
+
+
+def _check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None, name=""):
+    dtype = q.dtype
+    dv = v.shape[-1]
+    if cu_q is None:
+        B, Sq, Hq, _ = q.shape
+        out = torch.full((B, Sq, Hq, dv), float("nan"), device=DEV, dtype=dtype)
+        lse = torch.full((B, Hq, Sq), float("nan"), device=DEV, dtype=torch.float32)
+    else:
+        Tq, Hq, _ = q.shape
+        out = torch.full((Tq, Hq, dv), float("nan"), device=DEV, dtype=dtype)
+        lse = torch.full((Hq, Tq), float("nan"), device=DEV, dtype=torch.float32)
+    ext.fwd(q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, bottom_right)
+    torch.cuda.synchronize()
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk,
+              softmax_scale=scale, causal=causal, bottom_right=bottom_right)
+    ref_o, ref_lse = reference.attention_forward(q.float(), k.float(), v.float(), **kw)
+    base_o = naive_attention(q, k, v, softmax_scale=scale, causal=causal, bottom_right=bottom_right,
+                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert_error_within(out, ref_o, base_o, eps=EPS, name=f"out {name}")
+    ref_lse = ref_lse.float()
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), f"lse {name}: finite pattern differs"
+    assert torch.all(lse[~fin] == ref_lse[~fin]), f"lse {name}: non-finite values differ"
+    if fin.any():
+        err = (lse[fin] - ref_lse[fin]).abs().max().item()
+        assert err <= LSE_ATOL, f"lse {name}: max error {err:.3e} > {LSE_ATOL}"
+    return out, lse
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_dense(ext, dims, dtype, mask, shape):
+    d, dv = dims
+    sq, sk, hq, hkv = shape
+    g = torch.Generator(device=DEV).manual_seed(hash((d, sq, sk, hq, hkv, mask)) % (2**31))
+    B = 2
+    q = _rand((B, sq, hq, d), dtype, g)
+    k = _rand((B, sk, hkv, d), dtype, g)
+    v = _rand((B, sk, hkv, dv), dtype, g)
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1],
+           name=f"{dims} {dtype} {mask} {shape}")
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("lens", [(4224, 4224), (4224, 1023), (1023, 4224)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dense_long(ext, dims, mask, lens):
+    d, dv = dims
+    sq, sk = lens
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = _rand((1, sq, 2, d), torch.bfloat16, g)
+    k = _rand((1, sk, 1, d), torch.bfloat16, g)
+    v = _rand((1, sk, 1, dv), torch.bfloat16, g)
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], name=f"{dims} {mask} {lens}")
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+def test_strided(ext, dims, dtype, mask):
+    """Non-contiguous q/k/v (padded rows, transposed batch/seq storage): strides multiples of 8."""
+    d, dv = dims
+    g = torch.Generator(device=DEV).manual_seed(11)
+    B, sq, sk, hq, hkv = 3, 200, 333, 4, 2
+    q = _rand((B, sq, hq, d + 24), dtype, g)[..., 8:8 + d]  # row padding, offset by 16 bytes
+    k = _rand((sk, B, hkv, d), dtype, g).transpose(0, 1)  # (B, Sk, H, D) view with batch stride hkv*d
+    v = _rand((B, hkv, sk, dv), dtype, g).transpose(1, 2)  # head-major storage
+    _check(ext, q, k, v, scale=0.37, causal=mask[0], bottom_right=mask[1], name=f"strided {dims} {dtype} {mask}")
+
+
+VARLEN_CASES = [
+    ([0, 17, 1, 300, 0, 129], [5, 0, 1, 257, 3, 128]),
+    ([128, 129, 127, 1], [128, 127, 129, 1000]),
+    ([1000, 0, 33], [17, 0, 4224]),
+    ([0, 0], [0, 0]),
+]
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
+@pytest.mark.parametrize("heads", [(8, 2), (2, 2)], ids=lambda h: f"h{h[0]}_{h[1]}")
+def test_varlen(ext, dims, dtype, mask, case, heads):
+    d, dv = dims
+    hq, hkv = heads
+    lq, lk = VARLEN_CASES[case]
+    g = torch.Generator(device=DEV).manual_seed(100 + case)
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    q = _rand((sum(lq), hq, d), dtype, g)
+    k = _rand((sum(lk), hkv, d), dtype, g)
+    v = _rand((sum(lk), hkv, dv), dtype, g)
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], cu_q=cu_q, cu_k=cu_k,
+           msq=max(lq), msk=max(lk), name=f"varlen {dims} {dtype} {mask} {lq} {lk}")
+
+
+_REJECT_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_fmha_fwd_sm90 as t
+ext = t._load()
+dev = "cuda"
+q = torch.randn(1, 16, 2, 96, device=dev, dtype=torch.bfloat16)
+out = torch.empty(1, 16, 2, 96, device=dev, dtype=torch.bfloat16)
+lse = torch.empty(1, 2, 16, device=dev)
+try:
+    ext.fwd(q, q, q, out, lse, None, None, None, None, 0.1, False, False)
+    print("NO-ERROR dims")
+except RuntimeError as e:
+    print("RAISED dims:", "Dqk" in str(e))
+q = torch.randn(1, 16, 3, 128, device=dev, dtype=torch.bfloat16)
+k = torch.randn(1, 16, 2, 128, device=dev, dtype=torch.bfloat16)
+out = torch.empty(1, 16, 3, 128, device=dev, dtype=torch.bfloat16)
+lse = torch.empty(1, 3, 16, device=dev)
+try:
+    ext.fwd(q, k, k, out, lse, None, None, None, None, 0.1, False, False)
+    print("NO-ERROR heads")
+except RuntimeError as e:
+    print("RAISED heads:", "Hkv" in str(e))
+"""
+
+
+def test_rejects_bad_input(ext):
+    """Invalid shapes raise RuntimeError naming the argument. Run in a subprocess: a crash in the
+    host error path (seen once on the device toolchain) must not take the whole session down."""
+    import os
+    import subprocess
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _REJECT_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"subprocess died (rc={r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}"
+    assert "RAISED dims: True" in r.stdout and "RAISED heads: True" in r.stdout, r.stdout + r.stderr
+
+
+try:
+    from hypothesis import given, settings, strategies as st, HealthCheck
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(sq=st.integers(1, 700), sk=st.integers(1, 700), dims=st.sampled_from(DIMS),
+           heads=st.sampled_from([(1, 1), (2, 1), (8, 2), (8, 8)]), mask=st.sampled_from(MASKS),
+           dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**20))
+    def test_hypothesis(sq, sk, dims, heads, mask, dtype, seed):
+        ext_ = _load()
+        d, dv = dims
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        q = _rand((1, sq, heads[0], d), dtype, g)
+        k = _rand((1, sk, heads[1], d), dtype, g)
+        v = _rand((1, sk, heads[1], dv), dtype, g)
+        _check(ext_, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], name="hypothesis")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _public_api():
+    try:
+        import mla_autograd
+        return (getattr(mla_autograd, "attention", None), getattr(mla_autograd, "attention_varlen", None),
+                getattr(mla_autograd, "explain", None))
+    except Exception:  # pragma: no cover
+        return None, None, None
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+def test_public_attention(dims, mask):
+    """Through mla_autograd.attention / attention_varlen: the dispatch table must pick this kernel."""
+    attention, attention_varlen, explain = _public_api()
+    if attention is None:
+        pytest.skip("mla_autograd.attention is not available yet")
+    d, dv = dims
+    causal, br = mask
+    align = "bottom_right" if br else "top_left"
+    g = torch.Generator(device=DEV).manual_seed(5)
+    q = _rand((2, 300, 4, d), torch.bfloat16, g)
+    k = _rand((2, 257, 2, d), torch.bfloat16, g)
+    v = _rand((2, 257, 2, dv), torch.bfloat16, g)
+    if explain is not None:
+        assert explain(q, k, v, causal=causal).forward.backend == "sm90", str(explain(q, k, v, causal=causal))
+    scale = 1.0 / math.sqrt(d)
+    out = _first(attention(q, k, v, softmax_scale=scale, causal=causal, causal_align=align))
+    ref_o, _ = reference.attention_forward(q.float(), k.float(), v.float(), softmax_scale=scale, causal=causal,
+                                           bottom_right=br)
+    base = naive_attention(q, k, v, softmax_scale=scale, causal=causal, bottom_right=br)
+    assert_error_within(out, ref_o, base, eps=EPS, name="public attention")
+    if attention_varlen is not None:
+        lq, lk = [0, 17, 300], [5, 0, 257]
+        cu_q = torch.tensor([0, 0, 17, 317], device=DEV, dtype=torch.int32)
+        cu_k = torch.tensor([0, 5, 5, 262], device=DEV, dtype=torch.int32)
+        qv = _rand((317, 4, d), torch.bfloat16, g)
+        kv = _rand((262, 2, d), torch.bfloat16, g)
+        vv = _rand((262, 2, dv), torch.bfloat16, g)
+        o = _first(attention_varlen(qv, kv, vv, cu_q, cu_k, max(lq), max(lk), softmax_scale=scale, causal=causal,
+                                    causal_align=align))
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal, bottom_right=br)
+        ref_o, _ = reference.attention_forward(qv.float(), kv.float(), vv.float(), max_seqlen_q=max(lq),
+                                               max_seqlen_k=max(lk), **kw)
+        base = naive_attention(qv, kv, vv, **kw)
+        assert_error_within(o, ref_o, base, eps=EPS, name="public attention_varlen")
+
+
+# ---------------------------------------------------------------------------------------------
+def bench(ext=None, B=2, H=16, S=8192, reps=None):
+    """Median times of the kernel and SDPA cuDNN in one process; prints TF/s."""
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ext = ext or _load()
+    rows = []
+    for d, dv in [(192, 128), (128, 128), (64, 64)]:
+        for causal in (False, True):
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q = _rand((B, S, H, d), torch.bfloat16, g)
+            k = _rand((B, S, H, d), torch.bfloat16, g)
+            v = _rand((B, S, H, dv), torch.bfloat16, g)
+            out = torch.empty(B, S, H, dv, device=DEV, dtype=torch.bfloat16)
+            lse = torch.empty(B, H, S, device=DEV)
+            scale = 1.0 / math.sqrt(d)
+            fn = lambda: ext.fwd(q, k, v, out, lse, None, None, None, None, scale, causal, True)  # noqa: E731
+            t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            t_cudnn = float("nan")
+            try:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    f2 = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        qt, kt, vt, is_causal=causal, scale=scale)
+                    f2()
+                    t_cudnn = tt.do_bench(f2, warmup=50, rep=300, return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                print(f"cudnn failed for {d}/{dv}: {exc}")
+            r = dict(d=d, dv=dv, causal=causal, ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
+                     cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
+            rows.append(r)
+            print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
+                  f"({t_ours:.3f} ms), cuDNN {r['cudnn_tfs']:.0f} TF/s ({t_cudnn:.3f} ms), "
+                  f"ratio {r['ours_tfs'] / r['cudnn_tfs']:.3f}", flush=True)
+    return rows
+
+
+def smoke():
+    """One small call per head-dim pair and mask (catches hangs/launch errors fast)."""
+    ext = _load()
+    for d, dv in DIMS:
+        for causal, br in MASKS:
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q = _rand((2, 300, 4, d), torch.bfloat16, g)
+            k = _rand((2, 260, 2, d), torch.bfloat16, g)
+            v = _rand((2, 260, 2, dv), torch.bfloat16, g)
+            try:
+                _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=causal, bottom_right=br, name="smoke")
+                print(f"smoke {d}/{dv} causal={causal} br={br}: OK", flush=True)
+            except AssertionError as exc:
+                print(f"smoke {d}/{dv} causal={causal} br={br}: FAIL {exc}", flush=True)
+
+
+if __name__ == "__main__":
+    if "--smoke" in sys.argv:
+        smoke()
+    if "--bench" in sys.argv:
+        bench()
