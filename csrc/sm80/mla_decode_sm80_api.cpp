@@ -10,6 +10,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/checks.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
 
@@ -24,10 +25,6 @@ struct DevInfo { int major = 0, sms = 0, smem_optin = 0, smem_per_sm = 0; };
 // Tuning overrides for benchmarks (0 = automatic): cp.async stages, CTAs per SM, largest m-tile.
 int g_tune_stages = 0, g_tune_ctas = 0, g_tune_max_mtile = 0, g_tune_split_loaders = -1, g_tune_qk_narrow = -1;
 
-// Messages are built from strings only: streaming integers (or IntArrayRef) into c10::str crashed the
-// extension on the H200 image (libstdc++ num_put mismatch between the extension's compiler and torch's).
-std::string num(long long v) { return std::to_string(v); }
-
 // "(d0, d1, ...)" without streaming an IntArrayRef.
 std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
@@ -39,7 +36,7 @@ std::string shape_str(const at::Tensor& t) {
 const DevInfo& dev_info(int device) {
   static DevInfo cache[64];
   static bool have[64] = {};
-  TORCH_CHECK(device >= 0 && device < 64, "decode: device index ", num(device), " out of range");
+  MLA_CHECK(device >= 0 && device < 64, "decode: device index ", device, " out of range");
   if (!have[device]) {
     DevInfo d;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device));
@@ -56,63 +53,63 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
                  const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
                  at::Tensor& out, at::Tensor& lse, double softmax_scale, bool causal, int64_t force_splits) {
   // ---- validation (every argument named) ----
-  TORCH_CHECK(q_nope.is_cuda(), "decode: q_nope must be a CUDA tensor");
+  MLA_CHECK(q_nope.is_cuda(), "decode: q_nope must be a CUDA tensor");
   const auto dev = q_nope.device();
   auto same_dev = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda() && t.device() == dev, "decode: ", name, " must be on ", dev.str(), " (same device as q_nope)");
+    MLA_CHECK(t.is_cuda() && t.device() == dev, "decode: ", name, " must be on ", dev.str(), " (same device as q_nope)");
   };
   same_dev(q_pe, "q_pe"); same_dev(ckv_cache, "ckv_cache"); same_dev(kpe_cache, "kpe_cache");
   same_dev(block_table, "block_table"); same_dev(cache_seqlens, "cache_seqlens"); same_dev(out, "out"); same_dev(lse, "lse");
   const auto dt = q_nope.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "decode: q_nope must be bfloat16 or float16, got ", dt);
-  TORCH_CHECK(q_pe.scalar_type() == dt, "decode: q_pe dtype ", q_pe.scalar_type(), " != q_nope dtype ", dt);
-  TORCH_CHECK(ckv_cache.scalar_type() == dt, "decode: ckv_cache dtype ", ckv_cache.scalar_type(), " != q_nope dtype ", dt);
-  TORCH_CHECK(kpe_cache.scalar_type() == dt, "decode: kpe_cache dtype ", kpe_cache.scalar_type(), " != q_nope dtype ", dt);
-  TORCH_CHECK(out.scalar_type() == dt, "decode: out dtype ", out.scalar_type(), " != q_nope dtype ", dt);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "decode: lse must be float32");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt, "decode: block_table must be int32");
-  TORCH_CHECK(cache_seqlens.scalar_type() == at::kInt, "decode: cache_seqlens must be int32");
+  MLA_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "decode: q_nope must be bfloat16 or float16, got ", dt);
+  MLA_CHECK(q_pe.scalar_type() == dt, "decode: q_pe dtype ", q_pe.scalar_type(), " != q_nope dtype ", dt);
+  MLA_CHECK(ckv_cache.scalar_type() == dt, "decode: ckv_cache dtype ", ckv_cache.scalar_type(), " != q_nope dtype ", dt);
+  MLA_CHECK(kpe_cache.scalar_type() == dt, "decode: kpe_cache dtype ", kpe_cache.scalar_type(), " != q_nope dtype ", dt);
+  MLA_CHECK(out.scalar_type() == dt, "decode: out dtype ", out.scalar_type(), " != q_nope dtype ", dt);
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "decode: lse must be float32");
+  MLA_CHECK(block_table.scalar_type() == at::kInt, "decode: block_table must be int32");
+  MLA_CHECK(cache_seqlens.scalar_type() == at::kInt, "decode: cache_seqlens must be int32");
 
-  TORCH_CHECK(q_nope.dim() == 4 && q_nope.size(3) == mds::kDimCkv, "decode: q_nope must be (B, Sq, H, 512), got ", shape_str(q_nope));
+  MLA_CHECK(q_nope.dim() == 4 && q_nope.size(3) == mds::kDimCkv, "decode: q_nope must be (B, Sq, H, 512), got ", shape_str(q_nope));
   const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = q_nope.size(2);
-  TORCH_CHECK(q_pe.dim() == 4 && q_pe.size(0) == B && q_pe.size(1) == Sq && q_pe.size(2) == H && q_pe.size(3) == mds::kDimKpe,
-              "decode: q_pe must be (B, Sq, H, 64) = (", num(B), ", ", num(Sq), ", ", num(H), ", 64), got ", shape_str(q_pe));
-  TORCH_CHECK(Sq >= 1 && H >= 1, "decode: q_nope needs Sq >= 1 and H >= 1, got ", shape_str(q_nope));
-  TORCH_CHECK(ckv_cache.dim() == 3 && ckv_cache.size(2) == mds::kDimCkv, "decode: ckv_cache must be (P, page_size, 512), got ", shape_str(ckv_cache));
+  MLA_CHECK(q_pe.dim() == 4 && q_pe.size(0) == B && q_pe.size(1) == Sq && q_pe.size(2) == H && q_pe.size(3) == mds::kDimKpe,
+              "decode: q_pe must be (B, Sq, H, 64) = (", B, ", ", Sq, ", ", H, ", 64), got ", shape_str(q_pe));
+  MLA_CHECK(Sq >= 1 && H >= 1, "decode: q_nope needs Sq >= 1 and H >= 1, got ", shape_str(q_nope));
+  MLA_CHECK(ckv_cache.dim() == 3 && ckv_cache.size(2) == mds::kDimCkv, "decode: ckv_cache must be (P, page_size, 512), got ", shape_str(ckv_cache));
   const int64_t P = ckv_cache.size(0), page_size = ckv_cache.size(1);
-  TORCH_CHECK(kpe_cache.dim() == 3 && kpe_cache.size(0) == P && kpe_cache.size(1) == page_size && kpe_cache.size(2) == mds::kDimKpe,
-              "decode: kpe_cache must be (P, page_size, 64) = (", num(P), ", ", num(page_size), ", 64), got ", shape_str(kpe_cache));
-  TORCH_CHECK(page_size >= 1 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
-              "decode: ckv_cache page_size must be a power of two, got ", num(page_size));
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.stride(1) == 1,
+  MLA_CHECK(kpe_cache.dim() == 3 && kpe_cache.size(0) == P && kpe_cache.size(1) == page_size && kpe_cache.size(2) == mds::kDimKpe,
+              "decode: kpe_cache must be (P, page_size, 64) = (", P, ", ", page_size, ", 64), got ", shape_str(kpe_cache));
+  MLA_CHECK(page_size >= 1 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
+              "decode: ckv_cache page_size must be a power of two, got ", page_size);
+  MLA_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.stride(1) == 1,
               "decode: block_table must be (B, max_pages) int32 with unit last stride, got ", shape_str(block_table));
-  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && cache_seqlens.stride(0) == 1,
+  MLA_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && cache_seqlens.stride(0) == 1,
               "decode: cache_seqlens must be a contiguous int32 (B,) tensor, got ", shape_str(cache_seqlens));
-  TORCH_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == Sq && out.size(2) == H && out.size(3) == mds::kDimCkv,
+  MLA_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == Sq && out.size(2) == H && out.size(3) == mds::kDimCkv,
               "decode: out must be (B, Sq, H, 512), got ", shape_str(out));
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Sq && lse.stride(2) == 1,
+  MLA_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Sq && lse.stride(2) == 1,
               "decode: lse must be (B, H, Sq) float32 with unit last stride, got ", shape_str(lse));
 
   auto check_rows = [](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.stride(-1) == 1, "decode: ", name, " must have unit last-dim stride");
+    MLA_CHECK(t.stride(-1) == 1, "decode: ", name, " must have unit last-dim stride");
     for (int d = 0; d < t.dim() - 1; ++d)
-      TORCH_CHECK(t.size(d) == 1 || t.stride(d) % 8 == 0, "decode: ", name, " stride ", num(d), " (", num(t.stride(d)),
+      MLA_CHECK(t.size(d) == 1 || t.stride(d) % 8 == 0, "decode: ", name, " stride ", d, " (", t.stride(d),
                   ") must be a multiple of 8 elements");
-    TORCH_CHECK(aligned16(t), "decode: ", name, " must be 16-byte aligned");
+    MLA_CHECK(aligned16(t), "decode: ", name, " must be 16-byte aligned");
   };
   check_rows(q_nope, "q_nope"); check_rows(q_pe, "q_pe"); check_rows(ckv_cache, "ckv_cache"); check_rows(kpe_cache, "kpe_cache");
-  TORCH_CHECK(out.stride(3) == 1, "decode: out must have unit last-dim stride");
-  for (int d = 0; d < 3; ++d) TORCH_CHECK(out.size(d) == 1 || out.stride(d) % 4 == 0, "decode: out stride ", num(d), " must be a multiple of 4");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0, "decode: out must be 8-byte aligned");
-  TORCH_CHECK(std::isfinite(softmax_scale), "decode: softmax_scale must be finite");
-  TORCH_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
-  TORCH_CHECK(B <= 60000, "decode: batch (", num(B), ") too large for one launch");
+  MLA_CHECK(out.stride(3) == 1, "decode: out must have unit last-dim stride");
+  for (int d = 0; d < 3; ++d) MLA_CHECK(out.size(d) == 1 || out.stride(d) % 4 == 0, "decode: out stride ", d, " must be a multiple of 4");
+  MLA_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0, "decode: out must be 8-byte aligned");
+  MLA_CHECK(std::isfinite(softmax_scale), "decode: softmax_scale must be finite");
+  MLA_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
+  MLA_CHECK(B <= 60000, "decode: batch (", B, ") too large for one launch");
   if (B == 0) return;
 
   c10::cuda::CUDAGuard guard(dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const DevInfo& prop = dev_info(dev.index());
-  TORCH_CHECK(prop.major >= 8, "decode: mla_decode_sm80 needs compute capability >= 8.0, got major ", num(prop.major));
+  MLA_CHECK(prop.major >= 8, "decode: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
 
   const int64_t rows = Sq * H;
   int m_tile = rows <= 16 ? 16 : (rows <= 32 ? 32 : 64);
@@ -127,12 +124,12 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
   }
   if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
-  TORCH_CHECK(stages >= mds::kMinStages, "decode: not enough shared memory per block (",
-              num(prop.smem_optin), " B) for the m_tile ", num(m_tile), " kernel");
+  MLA_CHECK(stages >= mds::kMinStages, "decode: not enough shared memory per block (",
+              prop.smem_optin, " B) for the m_tile ", m_tile, " kernel");
   const int num_sms = prop.sms;
   const int num_parts = std::max(1, num_sms * ctas / num_mblocks);
   const int64_t num_items = force_splits > 0 ? B * force_splits : B + num_parts;
-  TORCH_CHECK(num_items <= 65535, "decode: too many work items (", num(num_items), ")");
+  MLA_CHECK(num_items <= 65535, "decode: too many work items (", num_items, ")");
 
   // Workspace (sized from shapes only): split partial O / LSE and the scheduling metadata.
   auto f32 = q_nope.options().dtype(at::kFloat);
@@ -189,18 +186,18 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
 void decode_splits(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
                    const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
                    at::Tensor out, at::Tensor lse, double softmax_scale, bool causal, int64_t num_splits) {
-  TORCH_CHECK(num_splits >= 1, "decode_splits: num_splits must be >= 1");
+  MLA_CHECK(num_splits >= 1, "decode_splits: num_splits must be >= 1");
   decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits);
 }
 
 void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow) {
-  TORCH_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
-              num(mds::kMinStages), ", ", num(mds::kMaxStages), "]");
-  TORCH_CHECK(ctas_per_sm >= 0 && ctas_per_sm <= 2, "set_tuning: ctas_per_sm must be 0, 1 or 2");
-  TORCH_CHECK(max_m_tile == 0 || max_m_tile == 16 || max_m_tile == 32 || max_m_tile == 64, "set_tuning: max_m_tile must be 0, 16, 32 or 64");
-  TORCH_CHECK(split_loaders >= -1 && split_loaders <= 1, "set_tuning: split_loaders must be -1 (auto), 0 or 1");
+  MLA_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
+              mds::kMinStages, ", ", mds::kMaxStages, "]");
+  MLA_CHECK(ctas_per_sm >= 0 && ctas_per_sm <= 2, "set_tuning: ctas_per_sm must be 0, 1 or 2");
+  MLA_CHECK(max_m_tile == 0 || max_m_tile == 16 || max_m_tile == 32 || max_m_tile == 64, "set_tuning: max_m_tile must be 0, 16, 32 or 64");
+  MLA_CHECK(split_loaders >= -1 && split_loaders <= 1, "set_tuning: split_loaders must be -1 (auto), 0 or 1");
   g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
-  TORCH_CHECK(qk_narrow >= -1 && qk_narrow <= 1, "set_tuning: qk_narrow must be -1 (auto), 0 or 1");
+  MLA_CHECK(qk_narrow >= -1 && qk_narrow <= 1, "set_tuning: qk_narrow must be -1 (auto), 0 or 1");
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);
 }
