@@ -154,7 +154,8 @@ def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list
         raise RuntimeError("mla_autograd: the CUDA kernels need CUTLASS/CuTe headers from "
                            "`pip install nvidia-cutlass==4.2.0.0`")
     inc, ex = cut
-    includes = [str(csrc_dir()), str(inc), str(ex), str(ex / "common")] + _cccl_dirs()
+    # 77_blackwell_fmha: CUTLASS's example-77 headers include "kernel/...", "collective/..." relative to it.
+    includes = [str(csrc_dir()), str(inc), str(ex), str(ex / "common"), str(ex / "77_blackwell_fmha")] + _cccl_dirs()
     # torch >= 2.12 headers need C++20; CUTLASS 4.2 compiles as C++17 or C++20.
     cflags = ["-O3", "-std=c++20"] + [f for d in _pip_cuda_header_dirs() for f in ("-idirafter", d)]
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda",

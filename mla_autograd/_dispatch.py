@@ -100,6 +100,12 @@ def _decode_check(call: Call) -> str | None:
     return None
 
 
+def _sm100_bwd_check(call: Call) -> str | None:
+    if call.deterministic:
+        return "deterministic=True (its dQ is reduced across key tiles in no fixed order)"
+    return None
+
+
 _ATTN_DIMS_SM90 = frozenset({(192, 128), (128, 128), (64, 64)})
 _ATTN_DIMS_SM100 = frozenset({(192, 128), (128, 128)})
 
@@ -110,7 +116,8 @@ TABLE: tuple[Route, ...] = (
           KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized forward"),
     Route("attn_fwd", "reference", None, None, "any", None, None, note="pure PyTorch"),
     Route("attn_bwd", "sm100", "fmha_bwd_sm100", lambda c: c[0] == 10, "10.x",
-          KERNEL_DTYPES, _ATTN_DIMS_SM100, note="CUTLASS example-77 tcgen05/TMEM backward (compiled, not run here)"),
+          KERNEL_DTYPES, _ATTN_DIMS_SM100, _sm100_bwd_check,
+          note="CUTLASS example-77 tcgen05/TMEM backward (compiled, not run here)"),
     Route("attn_bwd", "sm90", "fmha_bwd_sm90", lambda c: c == (9, 0), "9.0",
           KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized backward"),
     Route("attn_bwd", "reference", None, None, "any", None, None, note="pure PyTorch (explicit FlashAttention backward)"),

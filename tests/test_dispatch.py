@@ -100,3 +100,10 @@ def test_missing_family_falls_back_with_reason(monkeypatch):
                         lambda name: (False, f"kernel family {name} has no sources in csrc/sm90/"))
     d = explain_call(call()[0])
     assert d.backend == "reference" and "fmha_fwd_sm90 has no sources" in str(d)
+
+
+def test_sm100_deterministic_backward_goes_elsewhere(fake_gpu):
+    fake_gpu["cap"] = (10, 0)
+    d = explain_call(call(op="attn_bwd", deterministic=True)[0])
+    assert d.backend == "reference" and "deterministic=True" in str(d)
+    assert explain_call(call(op="attn_fwd", deterministic=True)[0]).backend == "sm100"

@@ -1,0 +1,290 @@
+"""CPU tests of the SM100 (Blackwell) families' host side: they build fmha_fwd_sm100 and fmha_bwd_sm100
+(for sm_100a, through mla_autograd._build.load_family, the same cached build the compile check uses)
+and check the pure-host planners plan_fwd / plan_bwd (which validate and pack exactly what fwd / bwd
+launch, but launch nothing) against hand-computed values, plus the error messages for bad inputs.
+No GPU is needed; tensors are meta tensors. Skipped when nvcc or the CUTLASS headers are missing.
+"""
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+try:
+    from mla_autograd._build import family_available, load_family
+except Exception as exc:  # pragma: no cover - package not importable
+    pytest.skip(f"mla_autograd._build not importable: {exc}", allow_module_level=True)
+
+for _fam in ("fmha_fwd_sm100", "fmha_bwd_sm100"):
+    _ok, _why = family_available(_fam)
+    if not _ok:
+        pytest.skip(f"cannot build {_fam} here: {_why}", allow_module_level=True)
+if shutil.which("nvcc") is None:
+    pytest.skip("nvcc not found", allow_module_level=True)
+
+M = "meta"
+BF, FP = torch.bfloat16, torch.float16
+INT32_MAX = 2**31 - 1
+
+
+@pytest.fixture(scope="module")
+def fwd():
+    return load_family("fmha_fwd_sm100")
+
+
+@pytest.fixture(scope="module")
+def bwd():
+    return load_family("fmha_bwd_sm100")
+
+
+def t(*shape, dtype=BF):
+    return torch.empty(*shape, dtype=dtype, device=M)
+
+
+def cu_of(lens):
+    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+
+
+def dense_args(B, Sq, Sk, Hq, Hk, dqk, dvo, dtype=BF):
+    q, k, v = t(B, Sq, Hq, dqk, dtype=dtype), t(B, Sk, Hk, dqk, dtype=dtype), t(B, Sk, Hk, dvo, dtype=dtype)
+    out, lse = t(B, Sq, Hq, dvo, dtype=dtype), t(B, Hq, Sq, dtype=torch.float32)
+    return q, k, v, out, lse
+
+
+def varlen_args(lens_q, lens_k, Hq, Hk, dqk, dvo, dtype=BF):
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    q, k, v = t(Tq, Hq, dqk, dtype=dtype), t(Tk, Hk, dqk, dtype=dtype), t(Tk, Hk, dvo, dtype=dtype)
+    out, lse = t(Tq, Hq, dvo, dtype=dtype), t(Hq, Tq, dtype=torch.float32)
+    return q, k, v, out, lse, cu_of(lens_q), cu_of(lens_k), max(lens_q), max(lens_k)
+
+
+def bwd_dense(B, Sq, Sk, Hq, Hk, dqk, dvo, dtype=BF):
+    q, k, v, out, lse = dense_args(B, Sq, Sk, Hq, Hk, dqk, dvo, dtype)
+    return (t(*out.shape, dtype=dtype), q, k, v, out, lse, t(*q.shape, dtype=dtype), t(*k.shape, dtype=dtype),
+            t(*v.shape, dtype=dtype))
+
+
+# ---------------------------------------------------------------- forward plans (design note, section 4)
+def test_fwd_dense_mla_b2_s4096_h128(fwd):
+    q, k, v, out, lse = dense_args(2, 4096, 4096, 128, 128, 192, 128)
+    p = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 192 ** -0.5, False, False)
+    assert p["kernel"] == "fmha_fwd_sm100<bf16,192x128,residual,varlen>"
+    assert p["tile_shape"] == (256, 128, (128, 64))
+    # dense goes through the varlen problem shape: cu = arange(B+1) * S, total = B * S
+    assert p["problem_shape"] == ((4096, 8192), (4096, 8192), (128, 64), ((1, 128), 2))
+    assert p["cu_rewrite"] == "none" and p["batches_launched"] == 2
+    assert p["stride_q"] == (24576, 1, ((192, 192), 0))
+    assert p["stride_k"] == (24576, 1, ((0, 192), 0))
+    assert p["stride_v"] == (16384, 1, ((0, 128), 0))
+    assert p["stride_o"] == (16384, 1, ((128, 128), 0))
+    # lse (B, H, S): row offset cu[b] = b*4096, so the batch stride is H*S - S = 524288 - 4096
+    assert p["stride_lse"] == (1, ((4096, 4096), 524288 - 4096))
+    assert p["grid"] == (16, 128, 2) and p["threads"] == 512
+    assert not (p["copy_q"] or p["copy_k"] or p["copy_v"] or p["lse_staging"])
+    # out from a plain allocation: staged through a padded buffer (max_q rows in front), then copied
+    assert p["out_pad_rows"] == 4096 and p["out_staging"]
+    assert p["out_staging_bytes"] == (4096 + 8192) * 128 * 128 * 2
+    assert 0 < p["smem_bytes"] <= 232448
+    assert p["workspace_bytes"] == 0
+
+
+def test_fwd_out_with_own_padding_is_written_in_place(fwd):
+    q, k, v, _, lse = dense_args(2, 4096, 4096, 128, 128, 192, 128)
+    pad = fwd.out_pad_rows(4096)
+    assert pad == 4096
+    buf = t(pad * 128 * 128 + 2 * 4096 * 128 * 128)
+    out = buf[pad * 128 * 128:].view(2, 4096, 128, 128)
+    p = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.07, True, False)
+    assert not p["out_staging"] and p["out_staging_bytes"] == 0
+    assert p["mask"] == "causal_top_left"
+
+
+def test_fwd_varlen_gqa_128(fwd):
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args([4096, 3000, 2904], [4096, 3000, 2904], 32, 8, 128, 128)
+    p = fwd.plan_fwd(q, k, v, out, lse, cq, ck, mq, mk, 128 ** -0.5, False, False)
+    # an empty batch 0 is prepended (B+1 launched batches) so CUTLASS's debug print never fires
+    assert p["cu_rewrite"] == "prepend_empty_batch" and p["cu_entries"] == 5
+    assert p["problem_shape"] == ((4096, 10000), (4096, 10000), 128, ((4, 8), 4))
+    assert p["stride_q"] == (4096, 1, ((128, 512), 0))
+    assert p["stride_k"] == (1024, 1, ((0, 128), 0))
+    assert p["stride_v"] == (1024, 1, ((0, 128), 0))
+    assert p["stride_lse"] == (1, ((10000, 40000), 0))
+    assert p["out_pad_rows"] == 4096 and p["out_staging_bytes"] == (4096 + 10000) * 32 * 128 * 2
+    assert p["grid"] == (16, 32, 4)
+
+
+def test_fwd_bottom_right_split(fwd):
+    # varlen bottom-right causal: every sequence split into (rows without keys, rest) -> 2B+1 batches
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args([17, 300, 1], [5, 400, 0], 4, 4, 192, 128, FP)
+    p = fwd.plan_fwd(q, k, v, out, lse, cq, ck, mq, mk, 0.1, True, True)
+    assert p["kernel"] == "fmha_fwd_sm100<fp16,192x128,causal_bottom_right,varlen>"
+    assert p["cu_rewrite"] == "split_bottom_right" and p["batches_launched"] == 7 and p["cu_entries"] == 8
+    assert not p["lse_staging"]
+    # dense with s_q > s_k: same split, lse staged (launched batch index != user batch index)
+    q, k, v, out, lse = dense_args(3, 100, 40, 4, 2, 128, 128)
+    p = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, True, True)
+    assert p["cu_rewrite"] == "split_bottom_right" and p["batches_launched"] == 7
+    assert p["lse_staging"] and p["lse_staging_bytes"] == 4 * 300 * 4
+    # s_q <= s_k needs no split
+    q, k, v, out, lse = dense_args(3, 40, 100, 4, 2, 128, 128)
+    p = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, True, True)
+    assert p["cu_rewrite"] == "none" and not p["lse_staging"]
+
+
+def test_fwd_strided_inputs(fwd):
+    B, S, H, D = 2, 64, 4, 192
+    # packed qkv (B, S, 3, H, D): slices keep batch/seq mergeable -> no copy, row stride 3*H*D
+    qkv = t(B, S, 3, H, D)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    v = t(B, S, 3, H, 128)[:, :, 2]
+    out, lse = t(B, S, H, 128), t(B, H, S, dtype=torch.float32)
+    p = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, False, False)
+    assert p["stride_q"] == (3 * H * D, 1, ((D, D), 0)) and not p["copy_q"]
+    # (B, H, S, D).transpose(1, 2): batch and seq not mergeable -> copied to contiguous
+    qt = t(B, H, S, D).transpose(1, 2)
+    p = fwd.plan_fwd(qt, k, v, out, lse, None, None, None, None, 0.1, False, False)
+    assert p["copy_q"] and p["stride_q"] == (H * D, 1, ((D, D), 0))
+
+
+def test_fwd_empty(fwd):
+    q, k, v, out, lse = dense_args(2, 7, 0, 2, 2, 128, 128)
+    assert fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, True, True)["empty"] == "no_keys"
+    q, k, v, out, lse = dense_args(2, 0, 9, 2, 2, 128, 128)
+    assert fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, True, True)["empty"] == "no_query_rows"
+    q, k, v, out, lse = dense_args(2, 7, 9, 2, 2, 128, 128)
+    assert fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, True, True)["empty"] is None
+
+
+@pytest.mark.parametrize("dtype", [BF, FP], ids=str)
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=lambda d: f"d{d[0]}")
+@pytest.mark.parametrize("mask", [(False, False), (True, False), (True, True)], ids=["none", "tl", "br"])
+def test_every_instantiation_linked(fwd, bwd, dtype, dims, mask):
+    """smem of every compiled (dtype, dims, mask) variant, fwd and bwd (also proves each one is linked)."""
+    q, k, v, out, lse = dense_args(1, 64, 64, 2, 2, dims[0], dims[1], dtype)
+    pf = fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, *mask)
+    pb = bwd.plan_bwd(*bwd_dense(1, 64, 64, 2, 2, dims[0], dims[1], dtype), None, None, None, None, 0.1, *mask, False)
+    # values of CUTLASS 4.2's kernels (design note: fwd MLA 180,448 / 128x128 164,080 with the
+    # individual tile scheduler; bwd 128x128 231,620 / MLA 198,852); SM100 opt-in limit 232,448
+    assert pf["smem_bytes"] == (180448 if dims[0] == 192 else 164080)
+    assert pb["smem_bytes"] == (198852 if dims[0] == 192 else 231620)
+
+
+# ---------------------------------------------------------------- backward plans
+def test_bwd_varlen_gqa_128_workspace(bwd):
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args([4096, 3000, 2904], [4096, 3000, 2904], 32, 8, 128, 128)
+    p = bwd.plan_bwd(t(*out.shape), q, k, v, out, lse, t(*q.shape), t(*k.shape), t(*v.shape), cq, ck, mq, mk,
+                     128 ** -0.5, True, True, False)
+    assert p["main_kernel"] == "Sm100FmhaBwdKernelTmaWarpSpecialized"
+    assert p["gqa"] == "native" and p["kernel_heads"] == (4, 8)
+    assert p["qp"] == 4096 and p["dp"] == 128
+    assert p["workspace_bytes"] == 4 * 3 * 32 * 4096 * 130 == 204_472_320
+    assert p["chunk_batches"] == 3 and p["num_chunks"] == 1
+    assert p["problem_shape"] == ((4096, 10000), (4096, 10000), 128, 128, ((4, 8), 3))
+    assert p["stride_lse_workspace"] == (1, (4096, 4096 * 32))
+    assert p["stride_dq_acc"] == (128, 1, (128 * 4096, 128 * 4096 * 32))
+    assert p["grid"] == (32, 8, 3)
+
+
+def test_bwd_dense_mla(bwd):
+    args = bwd_dense(2, 4096, 4096, 128, 128, 192, 128)
+    p = bwd.plan_bwd(*args, None, None, None, None, 192 ** -0.5, False, False, False)
+    assert p["main_kernel"] == "Sm100FmhaBwdMlaKernelTmaWarpSpecialized"
+    assert p["tile_shape"] == (64, 128, 192, 128)
+    assert p["problem_shape"] == ((4096, 8192), (4096, 8192), 192, 128, (128, 2))
+    assert p["stride_q"] == (24576, 1, (192, 0)) and p["stride_dv"] == (16384, 1, (128, 0))
+    assert p["workspace_bytes"] == 4 * 2 * 128 * 4096 * (2 + 192) == 813_694_976
+    assert p["grid"] == (32, 128, 2) and p["gqa"] == "none"
+
+
+def test_bwd_mla_gqa_expands(bwd):
+    args = bwd_dense(2, 100, 300, 16, 4, 192, 128)
+    p = bwd.plan_bwd(*args, None, None, None, None, 0.1, True, True, False)
+    assert p["gqa"] == "expand_kv" and p["kernel_heads"] == (1, 16)
+    assert p["stride_k"] == (16 * 192, 1, (192, 0)) and p["stride_dk"] == (16 * 192, 1, (192, 0))
+    assert p["expand_kv_bytes"] == 2 * 600 * 16 * (192 + 128) * 2
+
+
+def test_bwd_huge_workspace_is_int64_and_chunked(bwd):
+    # MLA B=64 H=128 S=32768: CUTLASS's int arithmetic reports 2 GiB; the true size is 194 GiB
+    args = bwd_dense(64, 32768, 32768, 128, 128, 192, 128)
+    p = bwd.plan_bwd(*args, None, None, None, None, 0.07, True, True, False)
+    assert p["workspace_bytes_unchunked"] == 4 * 64 * 128 * 32768 * 194 == 208_305_913_856
+    assert p["workspace_bytes_unchunked"] > 2**37
+    # one batch of dK spans 32767*24576 + 127*192 + 192 = 805,306,368 elements: 2 batches per chunk keep
+    # every int32 offset of the CUTLASS kernel below 2^31
+    assert p["chunk_batches"] == 2 and p["num_chunks"] == 32
+    assert p["workspace_bytes"] == 2 * 128 * 32768 * 194 * 4
+    # skewed varlen: one long sequence among short ones -> chunks bound the padded workspace
+    lens = [32768] + [128] * 63
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args(lens, lens, 8, 8, 128, 128)
+    p = bwd.plan_bwd(t(*out.shape), q, k, v, out, lse, t(*q.shape), t(*k.shape), t(*v.shape), cq, ck, mq, mk,
+                     0.1, False, False, False)
+    assert p["workspace_bytes_unchunked"] == 64 * 8 * 32768 * 130 * 4
+    assert p["chunk_batches"] == 2 and p["num_chunks"] == 32
+    assert p["workspace_bytes"] == 2 * 8 * 32768 * 130 * 4
+
+
+def test_bwd_varlen_int32_limit_refused(bwd):
+    lens = [32768] * 64  # 2M tokens x 128 heads x 192: dK offsets far above 2^31
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args(lens, lens, 128, 128, 192, 128)
+    with pytest.raises(RuntimeError, match="dk/dv offset"):
+        bwd.plan_bwd(t(*out.shape), q, k, v, out, lse, t(*q.shape), t(*k.shape), t(*v.shape), cq, ck, mq, mk,
+                     0.1, False, False, False)
+
+
+# ---------------------------------------------------------------- errors name the argument
+def _fwd_err(fwd, match, **over):
+    a = dict(zip(["q", "k", "v", "out", "lse"], dense_args(2, 16, 16, 4, 2, 192, 128)))
+    a.update(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=0.1,
+             causal=False, bottom_right=False)
+    a.update(over)
+    with pytest.raises(RuntimeError, match=match):
+        fwd.plan_fwd(**a)
+
+
+def test_fwd_errors(fwd):
+    _fwd_err(fwd, "head dims", q=t(2, 16, 4, 64), k=t(2, 16, 2, 64))
+    _fwd_err(fwd, "q must be bfloat16 or float16", q=t(2, 16, 4, 192, dtype=torch.float32))
+    _fwd_err(fwd, "k dtype", k=t(2, 16, 2, 192, dtype=FP))
+    _fwd_err(fwd, "out dtype", out=t(2, 16, 4, 128, dtype=FP))
+    _fwd_err(fwd, "lse must be float32", lse=t(2, 4, 16))
+    _fwd_err(fwd, "multiple of k heads", k=t(2, 16, 3, 192), v=t(2, 16, 3, 128))
+    _fwd_err(fwd, "out has shape", out=t(2, 16, 4, 192))
+    _fwd_err(fwd, "lse has shape", lse=t(2, 16, 4, dtype=torch.float32))
+    _fwd_err(fwd, "q must have unit stride", q=t(2, 16, 192, 4).transpose(-1, -2))
+    _fwd_err(fwd, "q stride .* multiple of 8", q=t(2, 16, 4, 196)[..., :192])
+    _fwd_err(fwd, "softmax_scale", softmax_scale=0.0)
+    _fwd_err(fwd, "given together", cu_seqlens_q=cu_of([16, 16]))
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args([3, 5], [4, 4], 4, 2, 128, 128)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be int32"):
+        fwd.plan_fwd(q, k, v, out, lse, cq.long(), ck, mq, mk, 0.1, False, False)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k has 2 entries"):
+        fwd.plan_fwd(q, k, v, out, lse, cq, ck[:2], mq, mk, 0.1, False, False)
+    with pytest.raises(RuntimeError, match="need max_seqlen_q"):
+        fwd.plan_fwd(q, k, v, out, lse, cq, ck, None, None, 0.1, False, False)
+    # a CPU call is refused before anything is launched
+    qc, kc, vc = torch.zeros(1, 8, 2, 128, dtype=BF), torch.zeros(1, 8, 2, 128, dtype=BF), torch.zeros(1, 8, 2, 128, dtype=BF)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        fwd.fwd(qc, kc, vc, torch.empty_like(qc), torch.empty(1, 2, 8), None, None, None, None, 0.1, False, False)
+
+
+def test_bwd_errors(bwd):
+    args = bwd_dense(2, 16, 16, 4, 2, 128, 128)
+    with pytest.raises(RuntimeError, match="deterministic=True is not supported"):
+        bwd.plan_bwd(*args, None, None, None, None, 0.1, False, False, True)
+    bad = list(args)
+    bad[6] = t(2, 16, 4, 128, dtype=FP)  # dq
+    with pytest.raises(RuntimeError, match="dq dtype"):
+        bwd.plan_bwd(*bad, None, None, None, None, 0.1, False, False, False)
+    bad = list(args)
+    bad[7] = t(2, 16, 4, 128)  # dk with the query heads
+    with pytest.raises(RuntimeError, match="dk has shape"):
+        bwd.plan_bwd(*bad, None, None, None, None, 0.1, False, False, False)
+    bad = list(args)
+    bad[0] = t(2, 16, 4, 136)[..., :128]  # dout stride 136 (multiple of 8) is fine ...
+    bwd.plan_bwd(*bad, None, None, None, None, 0.1, False, False, False)
+    bad[0] = t(2, 16, 4, 132)[..., :128]  # ... 132 is not
+    with pytest.raises(RuntimeError, match="dout stride"):
+        bwd.plan_bwd(*bad, None, None, None, None, 0.1, False, False, False)
