@@ -57,14 +57,15 @@ def _flex(q, k, v, causal, scale):
     return fn(q, k, v, block_mask=bm, scale=scale)
 
 
-def peers():
+def peers(names=None):
     from torch.nn.attention import SDPBackend
-    return {
+    all_peers = {
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_mem_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
         "flex_attention": _flex,
     }
+    return {k: v for k, v in all_peers.items() if names is None or k in names}
 
 
 def bench_one(B, H, S, dqk, dv, causal, impls, do_bwd=True):
@@ -155,19 +156,24 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--peers", default=None,
+                    help="comma-separated subset of sdpa_cudnn,sdpa_flash,sdpa_mem_efficient,flex_attention")
+    ap.add_argument("--flex-dims", default=None, help="only run FlexAttention for this Dqk (it compiles per shape)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
     impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,
                                                                causal_align="top_left")}
-    impls.update(peers())
+    impls.update(peers(args.peers.split(",") if args.peers else None))
     S = 4096 if args.quick else 8192
     shapes = [(2, 16, S, d, dv, c) for d, dv in ((192, 128), (128, 128)) for c in (False, True)]
     if args.sweep:
         shapes += [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
     rows = []
     for B, H, s, d, dv, c in shapes:
-        rows += bench_one(B, H, s, d, dv, c, impls, do_bwd=not args.no_bwd)
+        use = {k: f for k, f in impls.items()
+               if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))}
+        rows += bench_one(B, H, s, d, dv, c, use, do_bwd=not args.no_bwd)
     meta = stamp()
     meta["rows"] = rows
     path = write("attention", meta, Path(args.out))

@@ -12,7 +12,7 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def median_ms(fn, warmup_ms: float = 100, rep_ms: float = 400) -> float:
+def median_ms(fn, warmup_ms: float = 50, rep_ms: float = 250) -> float:
     """Median wall time of fn() on the current stream, in ms (triton.testing.do_bench when present)."""
     try:
         from triton.testing import do_bench

@@ -229,7 +229,7 @@ def family_available(name: str) -> tuple[bool, str]:
 
 def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False) -> ModuleType:
     """Build (once, cached on disk) and import the extension module of a kernel family."""
-    key = f"{name}:{ptxas_verbose}"
+    key = name
     mod = _loaded.get(key)
     if mod is not None:
         return mod
@@ -242,11 +242,16 @@ def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False
             raise RuntimeError(f"mla_autograd: cannot build {name}: {why}")
         from torch.utils import cpp_extension
         includes, cflags, nvcc = _flags(fam, ptxas_verbose)
-        fp = _fingerprint(fam, (includes, cflags, nvcc))
+        # -Xptxas=-v changes only what the compiler prints, not the binary: keep it out of the key so a
+        # verbose prebuild serves later plain loads (and vice versa).
+        fp = _fingerprint(fam, (includes, cflags, [f for f in nvcc if f != "-Xptxas=-v"]))
         build_dir = cache_root() / f"{name}-{fp}"
         build_dir.mkdir(parents=True, exist_ok=True)
         marker = build_dir / ".built"
         with _file_lock(build_dir.parent / f".{name}-{fp}.lock"):
+            if marker.exists() and ptxas_verbose:
+                print(f"mla_autograd: {name} is already built in {build_dir}: no ptxas report "
+                      f"(delete that folder to rebuild with one)", file=sys.stderr, flush=True)
             if not marker.exists():
                 print(f"mla_autograd: building {name} for {' '.join(fam.archs)} (first use; cached in {build_dir})",
                       file=sys.stderr, flush=True)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU counterpart of .ci/run, for a CUDA machine (the H200): build every kernel family with
-# ptxas reports, count HGMMA/HMMA in the SASS, run the GPU test suite, run the benchmarks.
-# Logs go to $OUT (the device tool's return folder) or ./gpu_logs; a summary prints last.
+# The GPU counterpart of .ci/run, for a CUDA machine (the H200), in one call: build every kernel
+# family with ptxas reports, count HGMMA/HMMA and local-memory ops in the SASS, run the GPU tests,
+# run the benchmarks and the training example. Each phase has a time limit; the summary is written
+# to $OUT/summary.txt (or ./gpu_logs) as it goes, the full logs and result files to gpu_logs.tgz.
 #   bash scripts/gpu_check.sh                 # everything
-#   bash scripts/gpu_check.sh --tests-only    # build + tests
-#   bash scripts/gpu_check.sh --bench-only    # build + benchmarks
-#   PYTEST_ARGS="-k sm90" bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh --tests-only
+#   bash scripts/gpu_check.sh --bench-only
+#   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-all}"
@@ -13,53 +14,64 @@ LOG="${OUT:-$PWD/gpu_logs}"
 mkdir -p "$LOG"
 WORK="$(mktemp -d)"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
+summary="$LOG/summary.txt"; : >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+finish() { cp -r bench/results "$WORK/results" 2>/dev/null; tar czf "$LOG/gpu_logs.tgz" -C "$WORK" . 2>/dev/null; }
+trap finish EXIT
 # The device image lacks nvidia-cutlass: install the carried wheel (see the device tool's notes).
 if ! python3 -c "import cutlass_library" 2>/dev/null; then
   if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl || exit 1
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
   else
-    echo "nvidia-cutlass is not installed and no .whl/ to install it from"; exit 1
+    say "nvidia-cutlass is not installed and no .whl/ to install it from"; exit 1
   fi
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export MLA_AUTOGRAD_CACHE="${MLA_AUTOGRAD_CACHE:-/tmp/mla_autograd_cache}"
-{ nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } >"$WORK/env.txt" 2>&1
-summary="$WORK/summary.txt"; : >"$summary"
+{ nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'cxx11abi', torch.compiled_with_cxx11_abi())";
+  which c++ g++ gcc; c++ --version | head -1; echo "CXX=${CXX:-}"; } >"$WORK/env.txt" 2>&1
+say "$(grep -m1 -E 'torch|^2\.' "$WORK/env.txt" | tail -1) | $(date -u +%FT%TZ) | commit ${MLA_COMMIT:-?}"
 
-echo "== build (ptxas -v)"; t=$(date +%s)
-python3 -m mla_autograd.build --arch sm_80 sm_90a --ptxas-verbose --skip-missing >"$WORK/build.log" 2>&1
-rc_build=$?
+say "== build (ptxas -v)"; t=$(date +%s)
+timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --arch sm_80 sm_90a --ptxas-verbose --skip-missing >"$WORK/build.log" 2>&1
+say "build rc=$? in $(( $(date +%s) - t )) s"
 grep -E "^(OK|FAIL|SKIP)" "$WORK/build.log" | tee -a "$summary"
-echo "build: rc=$rc_build in $(( $(date +%s) - t )) s" | tee -a "$summary"
-{ echo "spill lines (non-zero):"; grep -E "bytes spill" "$WORK/build.log" | grep -vE " 0 bytes spill stores, 0 bytes spill loads" | sort | uniq -c | head -40; } >>"$summary"
+grep -E "bytes spill" "$WORK/build.log" | grep -vE " 0 bytes spill stores, 0 bytes spill loads" | sort | uniq -c | head -20 | sed 's/^/spill: /' | tee -a "$summary"
 for so in "$MLA_AUTOGRAD_CACHE"/*/*.so; do
   [ -f "$so" ] || continue
-  n_h=$(cuobjdump --dump-sass "$so" 2>/dev/null | grep -c HGMMA); n_m=$(cuobjdump --dump-sass "$so" 2>/dev/null | grep -c "HMMA")
-  n_l=$(cuobjdump --dump-sass "$so" 2>/dev/null | grep -cE "\bLDL|\bSTL")
-  echo "sass $(basename "$(dirname "$so")"): HGMMA=$n_h HMMA=$n_m LDL/STL=$n_l" | tee -a "$summary"
+  cuobjdump --dump-sass "$so" >"$WORK/sass.tmp" 2>/dev/null
+  say "sass $(basename "$(dirname "$so")"): HGMMA=$(grep -c HGMMA "$WORK/sass.tmp") HMMA=$(grep -c HMMA "$WORK/sass.tmp") LDL/STL=$(grep -cE '\b(LDL|STL)\b' "$WORK/sass.tmp")"
 done
+rm -f "$WORK/sass.tmp"
 
 if [ "$MODE" != "--bench-only" ]; then
-  echo "== GPU tests"; t=$(date +%s)
-  python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} --junitxml="$WORK/pytest_gpu.xml" tests >"$WORK/pytest_gpu.log" 2>&1
-  rc_tests=$?
-  tail -n 40 "$WORK/pytest_gpu.log" | grep -E "passed|failed|FAILED|ERROR|skipped" | tail -25 | tee -a "$summary"
-  echo "gpu tests: rc=$rc_tests in $(( $(date +%s) - t )) s" | tee -a "$summary"
+  say "== GPU tests"; t=$(date +%s)
+  # most informative first; each file gets its own process so one crash cannot hide the rest
+  for f in tests/gpu/test_api_gpu.py tests/gpu/test_fmha_bwd_sm90.py tests/gpu/test_mla_decode_sm80.py \
+           tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_sm100.py; do
+    [ -f "$f" ] || continue
+    left=$(( ${TEST_BUDGET:-300} - ($(date +%s) - t) )); [ "$left" -gt 10 ] || { say "$f: not run (test budget spent)"; continue; }
+    timeout "$left" python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} -p no:cacheprovider "$f" >"$WORK/$(basename "$f" .py).log" 2>&1
+    rc=$?
+    say "$f rc=$rc: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$WORK/$(basename "$f" .py).log" | tail -1)"
+    grep -E "^FAILED|^ERROR" "$WORK/$(basename "$f" .py).log" | head -8 | tee -a "$summary"
+  done
+  say "gpu tests: $(( $(date +%s) - t )) s"
 fi
 
 if [ "$MODE" != "--tests-only" ]; then
-  echo "== benchmarks"; t=$(date +%s)
-  for b in bench/bench_attention.py bench/bench_decode.py bench/bench_layer.py; do
-    [ -f "$b" ] || continue
-    timeout 400 python3 "$b" ${BENCH_ARGS:-} >"$WORK/$(basename "$b" .py).log" 2>&1
-    echo "$b: rc=$?" | tee -a "$summary"
-    tail -n 30 "$WORK/$(basename "$b" .py).log" >>"$summary"
-  done
-  cp bench/results/*.json bench/results/*.png "$WORK/" 2>/dev/null
-  echo "benchmarks: $(( $(date +%s) - t )) s" | tee -a "$summary"
+  say "== benchmarks"
+  timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
+  say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
+  if [ -n "${DECODE_BENCH:-}" ]; then
+    timeout 120 python3 bench/bench_decode.py >"$WORK/bench_decode.log" 2>&1; say "bench_decode rc=$?"
+    tail -n 12 "$WORK/bench_decode.log" >>"$summary"
+  fi
+  timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py >"$WORK/bench_layer.log" 2>&1
+  say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
+  [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && timeout "${EXAMPLE_BUDGET:-90}" python3 examples/train_mla.py --device cuda --steps "${EXAMPLE_STEPS:-200}" --out /tmp/mla_ex >"$WORK/train_mla.log" 2>&1
+  [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && { say "train_mla rc=$?"; tail -n 4 "$WORK/train_mla.log" | tee -a "$summary"; }
+  cp /tmp/mla_ex/*.png "$WORK/" 2>/dev/null
 fi
-
-tar czf "$LOG/gpu_logs.tgz" -C "$WORK" .
-cp "$summary" "$LOG/summary.txt"
-echo; echo "===== summary ====="; cat "$summary"
+say "== done $(date -u +%T)"
