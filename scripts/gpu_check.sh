@@ -52,6 +52,8 @@ if [ "$MODE" != "--bench-only" ]; then
            tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_sm100.py; do
     [ -f "$f" ] || continue
     left=$(( ${TEST_BUDGET:-300} - ($(date +%s) - t) )); [ "$left" -gt 10 ] || { say "$f: not run (test budget spent)"; continue; }
+    cap=$(( left * ${FILE_SHARE:-100} / 100 )); [ "$cap" -lt 30 ] && cap=$left  # FILE_SHARE: % of what is left
+    left=$cap
     timeout "$left" python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} -p no:cacheprovider "$f" >"$WORK/$(basename "$f" .py).log" 2>&1
     rc=$?
     say "$f rc=$rc: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$WORK/$(basename "$f" .py).log" | tail -1)"
