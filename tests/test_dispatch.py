@@ -37,6 +37,8 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("op", ["attn_fwd", "attn_bwd"])
 def test_attention_routes(fake_gpu, cap, dims, dtype, expect, op):
     fake_gpu["cap"] = cap
+    if op == "attn_bwd" and expect == "sm90":
+        expect = "reference"  # fmha_bwd_sm90 is disabled in the table while it hangs (issue 4)
     c, _ = call(op=op, dims=dims, dtype=dtype)
     d = explain_call(c)
     assert d.backend == expect, str(d)
@@ -107,3 +109,8 @@ def test_sm100_deterministic_backward_goes_elsewhere(fake_gpu):
     d = explain_call(call(op="attn_bwd", deterministic=True)[0])
     assert d.backend == "reference" and "deterministic=True" in str(d)
     assert explain_call(call(op="attn_fwd", deterministic=True)[0]).backend == "sm100"
+
+
+def test_sm90_backward_disabled_with_reason(fake_gpu):
+    d = explain_call(call(op="attn_bwd")[0])
+    assert d.backend == "reference" and "fmha_bwd_sm90 is disabled" in str(d)

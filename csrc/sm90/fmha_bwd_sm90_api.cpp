@@ -1,0 +1,237 @@
+// Host api of the SM90 fused attention backward (family fmha_bwd_sm90):
+//   bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+//       softmax_scale, causal, bottom_right, deterministic) -> None
+// Validates every argument (errors name it), allocates the fp32 workspace (O(Tq * Hq * D)), and
+// launches preprocess -> main -> postprocess on the current stream.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cmath>
+#include <optional>
+
+#include "fmha_bwd_sm90_config.h"
+#include "fmha_bwd_sm90_params.h"
+
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t ndim) {
+  TORCH_CHECK(t.is_cuda(), "fmha_bwd_sm90: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == like.device(), "fmha_bwd_sm90: ", name, " must be on the device of q");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "fmha_bwd_sm90: ", name, " must have the dtype of q (",
+              like.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == ndim, "fmha_bwd_sm90: ", name, " must have ", ndim, " dims, got ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1, "fmha_bwd_sm90: ", name, " must have a unit last-dim stride");
+  for (int64_t i = 0; i < ndim - 1; ++i) {
+    TORCH_CHECK(t.stride(i) % 8 == 0 || t.size(i) <= 1, "fmha_bwd_sm90: ", name,
+                " strides must be multiples of 8 elements (dim ", i, " has stride ", t.stride(i), ")");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fmha_bwd_sm90: ", name,
+              " must be 16-byte aligned");
+}
+
+void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, "fmha_bwd_sm90: ", name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+}  // namespace
+
+void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
+         at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
+         std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+         std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+         bool deterministic) {
+  TORCH_CHECK(q.is_cuda(), "fmha_bwd_sm90: q must be a CUDA tensor");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "fmha_bwd_sm90: q must be bfloat16 or float16, got ", q.scalar_type());
+  const bool varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(cu_seqlens_k.has_value() == varlen,
+              "fmha_bwd_sm90: cu_seqlens_q and cu_seqlens_k must be given together");
+  const int64_t nd = varlen ? 3 : 4;
+  check_tensor(q, "q", q, nd);
+  check_tensor(k, "k", q, nd);
+  check_tensor(v, "v", q, nd);
+  check_tensor(out, "out", q, nd);
+  check_tensor(dout, "dout", q, nd);
+  check_tensor(dq, "dq", q, nd);
+  check_tensor(dk, "dk", q, nd);
+  check_tensor(dv, "dv", q, nd);
+  TORCH_CHECK(dq.is_contiguous(), "fmha_bwd_sm90: dq must be contiguous");
+  TORCH_CHECK(dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
+  TORCH_CHECK(dv.is_contiguous(), "fmha_bwd_sm90: dv must be contiguous");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device(), "fmha_bwd_sm90: lse must be on the device of q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "fmha_bwd_sm90: lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == nd - 1, "fmha_bwd_sm90: lse must have ", nd - 1, " dims");
+  TORCH_CHECK(lse.stride(-1) == 1, "fmha_bwd_sm90: lse must have a unit last-dim stride");
+
+  const int64_t d = q.size(-1), dvd = v.size(-1);
+  const int64_t hq = q.size(-2), hkv = k.size(-2);
+  TORCH_CHECK((d == 192 && dvd == 128) || (d == 128 && dvd == 128) || (d == 64 && dvd == 64),
+              "fmha_bwd_sm90: unsupported head dims (q/k ", d, ", v ", dvd,
+              "); supported: (192,128), (128,128), (64,64)");
+  TORCH_CHECK(k.size(-1) == d, "fmha_bwd_sm90: k head dim must equal q head dim");
+  TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "fmha_bwd_sm90: num heads of q (", hq,
+              ") must be a multiple of num heads of k (", hkv, ")");
+  TORCH_CHECK(v.size(-2) == hkv, "fmha_bwd_sm90: v must have the heads of k");
+  TORCH_CHECK(std::isfinite(softmax_scale), "fmha_bwd_sm90: softmax_scale must be finite");
+
+  int64_t batch, sq, sk, tq, tk, msq, msk;
+  if (varlen) {
+    const at::Tensor& cq = *cu_seqlens_q;
+    const at::Tensor& ck = *cu_seqlens_k;
+    TORCH_CHECK(cq.is_cuda() && cq.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_q must be on the device of q");
+    TORCH_CHECK(ck.is_cuda() && ck.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_k must be on the device of q");
+    TORCH_CHECK(cq.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_q must be int32");
+    TORCH_CHECK(ck.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_k must be int32");
+    TORCH_CHECK(cq.dim() == 1 && cq.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_q must be 1-D contiguous");
+    TORCH_CHECK(ck.dim() == 1 && ck.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_k must be 1-D contiguous");
+    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 2,
+                "fmha_bwd_sm90: cu_seqlens_q and cu_seqlens_k must both have B+1 >= 2 entries");
+    TORCH_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
+                "fmha_bwd_sm90: max_seqlen_q and max_seqlen_k are required with cu_seqlens");
+    batch = cq.numel() - 1;
+    tq = q.size(0);
+    tk = k.size(0);
+    sq = sk = 0;
+    msq = *max_seqlen_q;
+    msk = *max_seqlen_k;
+    TORCH_CHECK(msq >= 0 && msk >= 0, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
+    check_shape(k, "k", {tk, hkv, d});
+    check_shape(v, "v", {tk, hkv, dvd});
+    check_shape(out, "out", {tq, hq, dvd});
+    check_shape(dout, "dout", {tq, hq, dvd});
+    check_shape(lse, "lse", {hq, tq});
+  } else {
+    batch = q.size(0);
+    sq = q.size(1);
+    sk = k.size(1);
+    tq = batch * sq;
+    tk = batch * sk;
+    msq = max_seqlen_q.value_or(sq);
+    msk = max_seqlen_k.value_or(sk);
+    TORCH_CHECK(msq == sq && msk == sk, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must match the dense lengths");
+    check_shape(k, "k", {batch, sk, hkv, d});
+    check_shape(v, "v", {batch, sk, hkv, dvd});
+    check_shape(out, "out", {batch, sq, hq, dvd});
+    check_shape(dout, "dout", {batch, sq, hq, dvd});
+    check_shape(lse, "lse", {batch, hq, sq});
+  }
+  check_shape(dq, "dq", q.sizes());
+  check_shape(dk, "dk", k.sizes());
+  check_shape(dv, "dv", v.sizes());
+  TORCH_CHECK(tq < (int64_t(1) << 31) && tk < (int64_t(1) << 31), "fmha_bwd_sm90: too many rows");
+
+  c10::cuda::CUDAGuard guard(q.device());
+  int cc_major = 0, cc_minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  TORCH_CHECK(cc_major == 9 && cc_minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
+              cc_major, ".", cc_minor);
+
+  // Nothing to attend: zero gradients (no launch needed).
+  if (q.size(0) == 0 || k.size(0) == 0 || (!varlen && (sq == 0 || sk == 0)) || hq == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
+
+  constexpr int BM = kFmhaBwdSm90BlockM;
+  const int64_t scratch_rows = (tq + batch * BM + BM - 1) / BM * BM;
+  auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor lse_log2 = at::empty({hq, scratch_rows}, fopt);
+  at::Tensor dpsum = at::empty({hq, scratch_rows}, fopt);
+  at::Tensor dq_accum = at::empty({hq, scratch_rows, d}, fopt);
+  at::Tensor dq_sem = at::empty({deterministic ? hq * (scratch_rows / BM) : 1}, q.options().dtype(at::kInt));
+  if (varlen) {
+    // rows that belong to no sequence (past cu_seqlens[B]) are never written by the kernels
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
+
+  FmhaBwdSm90Params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.lse_log2 = lse_log2.data_ptr<float>();
+  p.dpsum = dpsum.data_ptr<float>();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dq_sem = dq_sem.data_ptr<int>();
+  p.scratch_rows = scratch_rows;
+  p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
+  p.cu_seqlens_k = varlen ? cu_seqlens_k->data_ptr<int>() : nullptr;
+  auto set3 = [&](const at::Tensor& t, int64_t& bs, int64_t& rs, int64_t& hs) {
+    if (varlen) {
+      bs = 0;
+      rs = t.stride(0);
+      hs = t.stride(1);
+    } else {
+      bs = t.stride(0);
+      rs = t.stride(1);
+      hs = t.stride(2);
+    }
+  };
+  set3(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  set3(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  set3(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  set3(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  set3(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  set3(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  set3(dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  set3(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+  if (varlen) {
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = lse.stride(0);
+  } else {
+    p.lse_batch_stride = lse.stride(0);
+    p.lse_head_stride = lse.stride(1);
+  }
+  p.batch = int(batch);
+  p.hq = int(hq);
+  p.hkv = int(hkv);
+  p.head_dim = int(d);
+  p.head_dim_v = int(dvd);
+  p.seqlen_q = int(sq);
+  p.seqlen_k = int(sk);
+  p.max_seqlen_q = int(msq);
+  p.max_seqlen_k = int(msk);
+  p.total_q = int(tq);
+  p.total_k = int(tk);
+  p.softmax_scale = float(softmax_scale);
+  p.scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.bottom_right = bottom_right;
+  p.deterministic = deterministic;
+  p.is_bf16 = q.scalar_type() == at::kBFloat16;
+
+  void* stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream());
+  try {
+    if (d == 192) {
+      fmha_bwd_sm90_run_192_128(p, stream);
+    } else if (d == 128) {
+      fmha_bwd_sm90_run_128_128(p, stream);
+    } else {
+      fmha_bwd_sm90_run_64_64(p, stream);
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mla_autograd SM90 fused attention backward (wgmma, TMA, warp-specialized)";
+  m.def("bwd", &bwd, "fused attention backward (SM90)", py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
+        py::arg("causal"), py::arg("bottom_right"), py::arg("deterministic"));
+}

@@ -1,0 +1,38 @@
+// Tile constants of the SM90 fused attention backward (family fmha_bwd_sm90).
+//
+// One CTA owns one K/V block of kBlockN keys of one kv head and loops over the query heads of its
+// GQA group and over M-blocks of kBlockM queries. 3 warpgroups: WG0 = producer (one thread issues
+// TMA), WG1/WG2 = consumers. Every GEMM is a warpgroup wgmma with both operands in smem; the two
+// consumer warpgroups split the N dimension of every GEMM:
+//   S   = Q K^T      (BM x BN,  K = D)      dP  = dO V^T     (BM x BN, K = DV)
+//   dV^T += dO^T P   (DV x BN, K = BM)      dK^T += Q^T dS   (D x BN,  K = BM)
+//   dQ  = dS K       (BM x D,  K = BN)  -> fp32 atomics into a workspace, converted by a postprocess
+// P and dS go through smem (stored transposed, keys-major); dK/dV live in registers until the end.
+#pragma once
+
+template <int kHeadDim, int kHeadDimV>
+struct FmhaBwdSm90Config;
+
+template <>
+struct FmhaBwdSm90Config<192, 128> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 96;
+  static constexpr int kStages = 2;   // Q/dO pipeline stages
+};
+
+template <>
+struct FmhaBwdSm90Config<128, 128> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+};
+
+template <>
+struct FmhaBwdSm90Config<64, 64> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+};
+
+// Every config uses the same M-block for the preprocess/postprocess and the fp32 scratch layout.
+constexpr int kFmhaBwdSm90BlockM = 64;

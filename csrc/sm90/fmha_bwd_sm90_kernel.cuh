@@ -1,0 +1,618 @@
+// SM90 fused attention backward (family fmha_bwd_sm90): preprocess, main wgmma kernel, dQ
+// postprocess, and the host launcher template. Included by fmha_bwd_sm90_hdim*.cu only.
+//
+// Main kernel (one CTA = one K/V block of one kv head of one sequence, 384 threads):
+//   WG0: producer; one thread loads K/V once (TMA) and streams Q/dO tiles through a kStages
+//        mbarrier pipeline for every (query head of the GQA group, M-block) the block must visit.
+//   WG1/WG2: consumers (setmaxnreg 240). Both operands of every wgmma come from smem; the two WGs
+//        split the N dimension of each GEMM (see fmha_bwd_sm90_config.h).
+// dQ: fp32 float4 atomics into dq_accum (columns permuted inside each group of 16 so a thread's four
+// accumulator values of one row are contiguous); deterministic mode orders the CTAs of one M-block
+// by a semaphore (K/V block order), so the float sums happen in a fixed order.
+// dK/dV: summed over the GQA group in registers (the CTA loops over the group's query heads), so
+// no fp32 dK/dV workspace and no cross-CTA reduction; written once at the end.
+#pragma once
+
+// wgmma N = 48 (BN/2 at d=192) is one of CuTe's "extended" shapes; without this the selector falls
+// back to three N = 16 instructions. Only the fmha_bwd_sm90 TUs include this header.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include "fmha_bwd_sm90_config.h"
+#include "fmha_bwd_sm90_params.h"
+
+namespace fmha_bwd_sm90 {
+
+using namespace cute;
+
+#define FMHA_BWD_CUDA_CHECK(expr)                                                              \
+  do {                                                                                         \
+    cudaError_t err__ = (expr);                                                                \
+    if (err__ != cudaSuccess) {                                                                \
+      throw std::runtime_error(std::string("fmha_bwd_sm90: CUDA error: ") +                    \
+                               cudaGetErrorString(err__) + " at " __FILE__ ":" +               \
+                               std::to_string(__LINE__));                                      \
+    }                                                                                          \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------------
+// Per-sequence geometry shared by all kernels.
+struct Seq {
+  int len_q, len_k;
+  int64_t start_q, start_k;  // first row of the sequence in the q/k tensors (0 for dense)
+  int64_t scratch_start;     // first scratch row of the sequence (multiple of BM)
+};
+
+template <int BM>
+__device__ __forceinline__ Seq get_seq(const FmhaBwdSm90Params& p, int b) {
+  Seq s;
+  int64_t row0;
+  if (p.cu_seqlens_q != nullptr) {
+    int q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+    int k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+    s.len_q = q1 - q0;
+    s.len_k = k1 - k0;
+    s.start_q = q0;
+    s.start_k = k0;
+    row0 = q0;
+  } else {
+    s.len_q = p.seqlen_q;
+    s.len_k = p.seqlen_k;
+    s.start_q = 0;
+    s.start_k = 0;
+    row0 = int64_t(b) * p.seqlen_q;
+  }
+  s.scratch_start = (row0 + int64_t(b) * BM) / BM * BM;
+  return s;
+}
+
+// Position of column c inside the permuted dq_accum row: within each group of 16 columns the
+// wgmma accumulator of one thread holds columns {2t, 2t+1, 2t+8, 2t+9}; they are stored at 4t..4t+3.
+__host__ __device__ __forceinline__ int dq_perm_pos(int c) {
+  int w = c & 15;
+  return (c & ~15) + 4 * ((w & 7) >> 1) + 2 * (w >> 3) + (w & 1);
+}
+// Inverse: storage position -> column.
+__host__ __device__ __forceinline__ int dq_perm_col(int pos) {
+  int w = pos & 15;
+  int t = w >> 2, e = w & 3;
+  return (pos & ~15) + (e >> 1) * 8 + 2 * t + (e & 1);
+}
+
+template <class T> struct CuteType;
+template <> struct CuteType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct CuteType<__half> { using type = cutlass::half_t; };
+
+// ------------------------------------------------------------------------------------------------
+// Preprocess: dpsum = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e) (+inf for rows with no key
+// and padding rows, so P = 0 there), clear the dQ accumulator block and its semaphore.
+// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads (4 per row).
+template <class Element, int D, int DV, int BM>
+__global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm90Params p) {
+  static_assert(BM * 4 == 256, "4 threads per row");
+  static_assert(DV % 32 == 0, "dv multiple of 32");
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Seq s = get_seq<BM>(p, b);
+  if (m * BM >= s.len_q) return;
+  const int tid = threadIdx.x;
+  const int r = tid >> 2, part = tid & 3;
+  const int i = m * BM + r;
+  float acc = 0.f;
+  if (i < s.len_q) {
+    const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride +
+                       (s.start_q + i) * p.o_row_stride + h * p.o_head_stride;
+    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_batch_stride +
+                       (s.start_q + i) * p.do_row_stride + h * p.do_head_stride;
+#pragma unroll
+    for (int c = part * 8; c < DV; c += 32) {
+      uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+    }
+  }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  const int64_t srow = int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM + r;
+  if (part == 0) {
+    float l2 = INFINITY;
+    if (i < s.len_q) {
+      float l = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.start_q + i];
+      l2 = (l == -INFINITY) ? INFINITY : l * float(M_LOG2E);
+      if (l2 != l2) l2 = INFINITY;  // NaN lse: treat as "no key"
+    }
+    p.lse_log2[srow] = l2;
+    p.dpsum[srow] = (i < s.len_q) ? acc : 0.f;
+  }
+  // clear the fp32 dQ accumulator rows of this block
+  float4* acc4 = reinterpret_cast<float4*>(p.dq_accum +
+                                           (int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM) * D);
+  for (int idx = tid; idx < BM * D / 4; idx += 256) acc4[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (p.deterministic && tid == 0) {
+    p.dq_sem[int64_t(h) * (p.scratch_rows / BM) + s.scratch_start / BM + m] = 0;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Postprocess: dq = softmax_scale * dq_accum (undo the column permutation), cast, store.
+// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads; one thread = 16 columns of one row.
+template <class Element, int D, int BM>
+__global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm90Params p) {
+  static_assert(D % 16 == 0, "head dim multiple of 16");
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Seq s = get_seq<BM>(p, b);
+  if (m * BM >= s.len_q) return;
+  constexpr int kGroups = D / 16;
+  for (int idx = threadIdx.x; idx < BM * kGroups; idx += 256) {
+    const int r = idx / kGroups, g = idx % kGroups;
+    const int i = m * BM + r;
+    if (i >= s.len_q) continue;
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + i) * D + g * 16);
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float4 x = src[j];
+      v[4 * j + 0] = x.x; v[4 * j + 1] = x.y; v[4 * j + 2] = x.z; v[4 * j + 3] = x.w;
+    }
+    alignas(16) Element out[16];
+#pragma unroll
+    for (int pos = 0; pos < 16; ++pos) out[dq_perm_col(pos)] = Element(v[pos] * p.softmax_scale);
+    Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.start_q + i) * p.dq_row_stride +
+                   h * p.dq_head_stride + g * 16;
+    reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(out)[0];
+    reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(out)[1];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Main kernel traits.
+template <class Element_, int D_, int DV_>
+struct Traits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  using Cfg = FmhaBwdSm90Config<D_, DV_>;
+  static constexpr int D = D_, DV = DV_;
+  static constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, Stages = Cfg::kStages;
+  static constexpr int kThreads = 384;
+  static_assert(BM == 64, "one 64-row wgmma atom per M-block");
+  static_assert(D % 64 == 0 && DV % 64 == 0, "head dims multiple of 64");
+  static_assert((BN / 2) % 8 == 0 && (D / 2) % 16 == 0, "per-WG N tiles");
+
+  using BMt = Int<BM>; using BNt = Int<BN>; using Dt = Int<D>; using DVt = Int<DV>;
+
+  // smem layouts. Q, dO, V: K-major SW128. K: K-major with a swizzle whose width divides D/2 (the
+  // dQ GEMM reads K as an MN-major operand split at D/2 between the WGs). P^T, dS^T: (BN, BM)
+  // K-major SW128 (keys x queries), read K-major by dV/dK and MN-major (as P, dS) by dQ.
+  using AtomSW128 = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using AtomK = std::conditional_t<(D / 2) % 64 == 0, decltype(GMMA::Layout_K_SW128_Atom<Element>{}),
+                                   decltype(GMMA::Layout_K_SW64_Atom<Element>{})>;
+  using SmemLayoutQ = decltype(tile_to_shape(AtomSW128{}, make_shape(BMt{}, Dt{}, Int<Stages>{})));
+  using SmemLayoutdO = decltype(tile_to_shape(AtomSW128{}, make_shape(BMt{}, DVt{}, Int<Stages>{})));
+  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, make_shape(BNt{}, Dt{})));
+  using SmemLayoutV = decltype(tile_to_shape(AtomSW128{}, make_shape(BNt{}, DVt{})));
+  using SmemLayoutPt = decltype(tile_to_shape(AtomSW128{}, make_shape(BNt{}, BMt{})));
+  // transposed views
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(make_shape(Dt{}, BMt{}, Int<Stages>{}),
+                                                                       make_stride(BMt{}, _1{}, Int<BM * D>{}))));
+  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_layout(make_shape(DVt{}, BMt{}, Int<Stages>{}),
+                                                                         make_stride(BMt{}, _1{}, Int<BM * DV>{}))));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(make_shape(Dt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
+  using SmemLayoutP = decltype(composition(SmemLayoutPt{}, make_layout(make_shape(BMt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
+
+  using AtomLayout = Layout<Shape<_1, _2, _1>>;  // two consumer WGs along N
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN / 2>, _16>, GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayout{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN / 2>, _16>, GMMA::Major::MN, GMMA::Major::K>(),
+      AtomLayout{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, _16>, GMMA::Major::MN, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;
+    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> dst;
+    alignas(8) uint64_t full_bar[Stages];
+    alignas(8) uint64_t empty_bar[Stages];
+    alignas(8) uint64_t kv_bar;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+
+  static constexpr uint32_t kBytesQ = BM * D * sizeof(Element);
+  static constexpr uint32_t kBytesdO = BM * DV * sizeof(Element);
+  static constexpr uint32_t kBytesK = BN * D * sizeof(Element);
+  static constexpr uint32_t kBytesV = BN * DV * sizeof(Element);
+
+  // gmem view of q/k/v/dout for TMA: (rows, dim, head, batch)
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemLayout = Layout<GmemShape, GmemStride>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutQ{}), Shape<BMt, Dt>{}, _1{}));
+  using TmadO = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       take<0, 2>(SmemLayoutdO{}), Shape<BMt, DVt>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutK{}, Shape<BNt, Dt>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
+};
+
+template <class Tr>
+struct MainArgs {
+  FmhaBwdSm90Params p;
+  typename Tr::TmaQ tma_q;
+  typename Tr::TmadO tma_do;
+  typename Tr::TmaK tma_k;
+  typename Tr::TmaV tma_v;
+  typename Tr::GmemShape shape_q, shape_do, shape_k, shape_v;
+};
+
+// ------------------------------------------------------------------------------------------------
+// wgmma helpers: one warpgroup-wide batch C (+)= A B over all k-blocks, both operands in smem.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void gemm_ss(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tA); ++kb) {
+    cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tC);
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarSem = 5 };
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __grid_constant__ MainArgs<Tr> args) {
+  using Element = typename Tr::Element;
+  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, DV = Tr::DV, Stages = Tr::Stages;
+  using SS = typename Tr::SharedStorage;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SS& ss = *reinterpret_cast<SS*>(smem_raw);
+  const FmhaBwdSm90Params& p = args.p;
+
+  const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
+  const Seq sq = get_seq<BM>(p, b);
+  if (n_block * BN >= sq.len_k) return;  // whole CTA, before any barrier
+  const int off = p.bottom_right ? sq.len_k - sq.len_q : 0;
+  const int m_max = (sq.len_q + BM - 1) / BM;
+  int m_min = 0;
+  if (p.causal) {
+    int x = n_block * BN - off;
+    m_min = x <= 0 ? 0 : x / BM;
+  }
+  const int n_m = m_max > m_min ? m_max - m_min : 0;
+  const int group = p.hq / p.hkv;
+  const int total_iters = group * n_m;
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Stages; ++s) {
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.full_bar[s], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.empty_bar[s], 256);
+    }
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_bar, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+
+  if (warp_group == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0 && total_iters > 0) {
+      const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
+      // K, V of this block (once)
+      Tensor mK = domain_offset(make_coord(int(sq.start_k), _0{}),
+                                args.tma_k.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
+      Tensor mV = domain_offset(make_coord(int(sq.start_k), _0{}),
+                                args.tma_v.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
+      Tensor gK = local_tile(mK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(mV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_bar, Tr::kBytesK + Tr::kBytesV);
+      copy(args.tma_k.with(ss.kv_bar), tKgK, tKsK);
+      copy(args.tma_v.with(ss.kv_bar), tVgV, tVsV);
+
+      Tensor mQall = args.tma_q.get_tma_tensor(args.shape_q);
+      Tensor mdOall = args.tma_do.get_tma_tensor(args.shape_do);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int it = 0; it < total_iters; ++it) {
+        const int g = it / n_m, m = m_min + it % n_m;
+        const int hq = hkv * group + g;
+        Tensor mQ = domain_offset(make_coord(int(sq.start_q), _0{}), mQall(_, _, hq, bcoord));
+        Tensor mdO = domain_offset(make_coord(int(sq.start_q), _0{}), mdOall(_, _, hq, bcoord));
+        Tensor gQ = local_tile(mQ, Shape<Int<BM>, Int<D>>{}, make_coord(m, _0{}));
+        Tensor gdO = local_tile(mdO, Shape<Int<BM>, Int<DV>>{}, make_coord(m, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        cutlass::arch::ClusterBarrier::wait(&ss.empty_bar[stage], phase ^ 1);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage], Tr::kBytesQ + Tr::kBytesdO);
+        copy(args.tma_q.with(ss.full_bar[stage]), tQgQ, tQsQ(_, stage));
+        copy(args.tma_do.with(ss.full_bar[stage]), tdOgdO, tdOsdO(_, stage));
+        if (++stage == Stages) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tidx = threadIdx.x - 128;  // 0..255
+  const int cwg = tidx / 128;          // consumer warpgroup 0/1
+
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutP{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutP{});
+
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmadKV mma_dkv;
+  typename Tr::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);      // (MMA, MMA_N, MMA_K)
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);
+  Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tPsP = thr_sdp.partition_C(sP);
+  Tensor tdSsdS = thr_sdp.partition_C(sdS);
+
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor cdQ = make_identity_tensor(Shape<Int<BM>, Int<D>>{});
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  if (total_iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.kv_bar, 0);
+
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int it = 0; it < total_iters; ++it) {
+    const int g = it / n_m, m = m_min + it % n_m;
+    const int hq = hkv * group + g;
+    const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
+    const float* lse_ptr = p.lse_log2 + srow0;
+    const float* dpsum_ptr = p.dpsum + srow0;
+
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+    gemm_ss<true>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
+    gemm_ss<true>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+
+    // P = exp2(S * scale_log2 - lse_log2), masked to 0
+    const int q0 = m * BM, k0 = n_block * BN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
+      const int qi = q0 + row, kj = k0 + col;
+      bool valid = kj < sq.len_k;
+      if (p.causal) valid = valid && (kj <= qi + off);
+      const float lse2 = __ldg(lse_ptr + row);
+      tSrS(i) = valid ? exp2f(tSrS(i) * p.scale_log2 - lse2) : 0.f;
+    }
+    {
+      Tensor tPrP = make_tensor_like<Element>(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tPrP(i) = Element(tSrS(i));
+      copy(tPrP, tPsP);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
+    // dV^T += dO^T P  (reads only this WG's keys of P^T)
+    gemm_ss<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV);
+    warpgroup_wait<1>();  // dP done
+    warpgroup_fence_operand(tdPrdP);
+
+    // dS = P * (dP - dpsum)
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int row = get<0>(tScS(i));
+      tSrS(i) = tSrS(i) * (tdPrdP(i) - __ldg(dpsum_ptr + row));
+    }
+    Tensor tdSrdS = make_tensor_like<Element>(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tdSrdS(i) = Element(tSrS(i));
+    // the other WG's dQ GEMM of the previous step must be done reading dS
+    cutlass::arch::NamedBarrier::sync(256, kBardSFree);
+    copy(tdSrdS, tdSsdS);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+
+    // dQ = dS K ; dK^T += Q^T dS. The dQ atomics below overlap the dK^T GEMM.
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+    gemm_ss<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    gemm_ss<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK);
+    warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
+    warpgroup_fence_operand(tdQrdQ);
+
+    // dQ accumulation: float4 atomics in permuted column order.
+    float* dq_rows = p.dq_accum + srow0 * D;
+    int* sem = nullptr;
+    if (p.deterministic) {
+      sem = p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + sq.scratch_start / BM + m;
+      if (tidx == 0) {
+        while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
+      }
+      cutlass::arch::NamedBarrier::sync(256, kBarSem);
+    }
+    static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
+    constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
+    static_assert(kChunks % 2 == 0, "pairs of 8-column chunks");
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      CUTE_UNROLL
+      for (int j = 0; j < kChunks; j += 2) {
+        auto c0 = make_coord(make_coord(0, h, j), 0, 0);
+        const int row = get<0>(tdQcdQ(c0)), col = get<1>(tdQcdQ(c0));
+        float4 v = make_float4(tdQrdQ(make_coord(make_coord(0, h, j), 0, 0)),
+                               tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
+                               tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
+                               tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
+        atomicAdd(reinterpret_cast<float4*>(dq_rows + int64_t(row) * D + dq_perm_pos(col)), v);
+      }
+    }
+    if (p.deterministic) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(256, kBarSem);
+      if (tidx == 0) atomicAdd(sem, 1);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdVrdV);
+    // this stage's Q/dO are no longer read by any wgmma of this thread's warpgroup
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+    if (++stage == Stages) { stage = 0; phase ^= 1; }
+  }
+
+  // ---------------------------------------------------------------- epilogue: dK, dV
+  {
+    Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
+    Tensor tdVcdV = thr_dkv.partition_C(cdV);
+    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
+                  hkv * p.dv_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdVrdV); ++i) {
+      const int dim = get<0>(tdVcdV(i)), key = n_block * BN + get<1>(tdVcdV(i));
+      if (key < sq.len_k) dv[int64_t(key) * p.dv_row_stride + dim] = Element(tdVrdV(i));
+    }
+    Tensor cdK = make_identity_tensor(Shape<Int<D>, Int<BN>>{});
+    Tensor tdKcdK = thr_dkv.partition_C(cdK);
+    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
+                  hkv * p.dk_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) {
+      const int dim = get<0>(tdKcdK(i)), key = n_block * BN + get<1>(tdKcdK(i));
+      if (key < sq.len_k) dk[int64_t(key) * p.dk_row_stride + dim] = Element(tdKrdK(i) * p.softmax_scale);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host launcher.
+template <class T, int D, int DV>
+void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
+  using Element = typename CuteType<T>::type;
+  using Tr = Traits<Element, D, DV>;
+  constexpr int BM = Tr::BM, BN = Tr::BN;
+  static_assert(BM == kFmhaBwdSm90BlockM, "scratch layout assumes one BM");
+  const int grid_m = (p.max_seqlen_q + BM - 1) / BM;
+
+  if (grid_m > 0) {
+    dim3 grid(grid_m, p.hq, p.batch);
+    fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid, 256, 0, stream>>>(p);
+    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+  }
+
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int nb = varlen ? 1 : p.batch;
+  auto make_gmem = [&](const void* ptr, int rows, int dim, int heads, int64_t row_stride, int64_t head_stride,
+                       int64_t batch_stride) {
+    // varlen: batch extent 1; give it a nonzero stride that is a multiple of 16 bytes
+    int64_t bs = varlen ? row_stride * 8 : batch_stride;
+    if (bs == 0) bs = 8;
+    auto layout = make_layout(make_shape(int32_t(rows), int32_t(dim), int32_t(heads), int32_t(nb)),
+                              make_stride(row_stride, _1{}, head_stride, bs));
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), layout);
+  };
+  const int rows_q = varlen ? p.total_q : p.seqlen_q;
+  const int rows_k = varlen ? p.total_k : p.seqlen_k;
+  auto gQ = make_gmem(p.q, rows_q, D, p.hq, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto gdO = make_gmem(p.dout, rows_q, DV, p.hq, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto gK = make_gmem(p.k, rows_k, D, p.hkv, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto gV = make_gmem(p.v, rows_k, DV, p.hkv, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+
+  MainArgs<Tr> args{};
+  args.p = p;
+  args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
+  args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
+  args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
+  args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
+  args.shape_q = gQ.shape();
+  args.shape_do = gdO.shape();
+  args.shape_k = gK.shape();
+  args.shape_v = gV.shape();
+
+  const int grid_n = (p.max_seqlen_k + BN - 1) / BN;
+  if (grid_n > 0) {
+    auto kernel = fmha_bwd_sm90_main<Tr>;
+    constexpr int smem = Tr::kSmemBytes;
+    FMHA_BWD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    dim3 grid(grid_n, p.hkv, p.batch);
+    kernel<<<grid, Tr::kThreads, smem, stream>>>(args);
+    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+  }
+
+  if (grid_m > 0) {
+    dim3 grid(grid_m, p.hq, p.batch);
+    fmha_bwd_sm90_postprocess<T, D, BM><<<grid, 256, 0, stream>>>(p);
+    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace fmha_bwd_sm90

@@ -1,0 +1,54 @@
+// Parameters of the SM90 fused attention backward (family fmha_bwd_sm90). Plain struct shared by
+// the host api (g++) and the kernels (nvcc). All strides are in elements; every tensor has a unit
+// last-dim stride. Dense: row index = position in the sequence, batch stride used. Varlen: batch
+// stride 0 and sequence b starts at row cu_seqlens[b].
+#pragma once
+#include <cstdint>
+
+struct FmhaBwdSm90Params {
+  // inputs
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  const float* lse;
+  // outputs
+  void* dq;
+  void* dk;
+  void* dv;
+  // fp32 scratch, per query head `scratch_rows` rows; sequence b starts at scratch row
+  // round_down(row0_b + b*BM, BM), row0_b = cu_seqlens_q[b] (varlen) or b*seqlen_q (dense).
+  float* lse_log2;   // (Hq, scratch_rows)
+  float* dpsum;      // (Hq, scratch_rows)
+  float* dq_accum;   // (Hq, scratch_rows, D), columns permuted within groups of 16 (see kernel)
+  int* dq_sem;       // (Hq, scratch_rows / BM) deterministic-mode semaphores (or nullptr)
+  int64_t scratch_rows;
+
+  const int* cu_seqlens_q;   // nullptr when dense
+  const int* cu_seqlens_k;
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;   // lse row stride is 1
+
+  int batch, hq, hkv, head_dim, head_dim_v;
+  int seqlen_q, seqlen_k;          // dense lengths (unused for varlen)
+  int max_seqlen_q, max_seqlen_k;  // grid sizes
+  int total_q, total_k;            // rows of the q / k tensors (varlen: Tq/Tk; dense: seqlen)
+
+  float softmax_scale;
+  float scale_log2;                // softmax_scale * log2(e)
+  bool causal, bottom_right, deterministic, is_bf16;
+};
+
+// Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu.
+void fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, void* stream);
+void fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, void* stream);
+void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, void* stream);
