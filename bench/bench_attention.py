@@ -131,8 +131,10 @@ def plot(rows, path):
         return
     wl = sorted({(r["dqk"], r["dv"], r["causal"], r["S"], r["B"]) for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(wl) * 2), 5))
-    for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops")):
+    keys = [k for k in ("fwd_tflops", "bwd_tflops") if any(k in r for r in rows)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(max(6, 1.6 * len(wl) * len(keys)), 5), squeeze=False)
+    axes = axes[0]
+    for ax, key in zip(axes, keys):
         width = 0.8 / max(1, len(impls))
         for i, name in enumerate(impls):
             ys = []
@@ -159,7 +161,12 @@ def main():
     ap.add_argument("--peers", default=None,
                     help="comma-separated subset of sdpa_cudnn,sdpa_flash,sdpa_mem_efficient,flex_attention")
     ap.add_argument("--flex-dims", default=None, help="only run FlexAttention for this Dqk (it compiles per shape)")
+    ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing result JSON")
     args = ap.parse_args()
+    if args.replot:
+        import json
+        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_suffix(".png"))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
     impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,

@@ -30,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from mla_autograd._build import load_family  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import stamp  # noqa: E402
+
 SCALE = 1.0 / math.sqrt(192.0)
 AUTO = (0, 0, 0, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow): automatic
 
@@ -102,11 +105,15 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing result JSON")
     ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time launch-config variants (set_tuning)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_suffix(".png"))
+        return
     ext = load_family("mla_decode_sm80")
     cases = [
         dict(B=128, S=4096, H=16, page=64),
@@ -145,8 +152,38 @@ def main(argv=None):
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {s}")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+    meta = stamp()
+    meta.update({"device": dev, "rows": rows})
+    out.write_text(json.dumps(meta, indent=1))
     print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"))
+
+
+def plot(rows, path):
+    """Cache-read GB/s and TF/s of the kernel beside the SDPA baseline, one bar pair per case."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    cases = {}
+    for r in rows:  # the first (automatic-tuning) row of each case
+        cases.setdefault((r["B"], r["S"], r["H"], r["Sq"], r["page"], r["dtype"]), r)
+    labels = [f"B{b} S{s}\nH{h} q{q} p{p}" for b, s, h, q, p, _ in cases]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(cases) * 2), 4.5))
+    for ax, key, unit in ((axes[0], "GBps", "cache GB/s"), (axes[1], "TFps", "TFLOP/s")):
+        xs = range(len(cases))
+        ax.bar([x - 0.2 for x in xs], [r[f"kernel_{key}"] for r in cases.values()], 0.4, label="mla_decode_sm80")
+        ax.bar([x + 0.2 for x in xs], [r.get(f"sdpa_{key}", 0) for r in cases.values()], 0.4, label="SDPA, gathered cache")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel(unit)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
