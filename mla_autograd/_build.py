@@ -241,10 +241,11 @@ def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False
         if not ok:
             raise RuntimeError(f"mla_autograd: cannot build {name}: {why}")
         from torch.utils import cpp_extension
-        includes, cflags, nvcc = _flags(fam, ptxas_verbose)
-        # -Xptxas=-v changes only what the compiler prints, not the binary: keep it out of the key so a
-        # verbose prebuild serves later plain loads (and vice versa).
-        fp = _fingerprint(fam, (includes, cflags, [f for f in nvcc if f != "-Xptxas=-v"]))
+        # -Xptxas=-v changes only what the compiler prints: it goes to nvcc through NVCC_APPEND_FLAGS,
+        # outside the ninja command line, so a verbose prebuild and later plain loads share one build
+        # (a changed command line would make ninja rebuild silently on the next load).
+        includes, cflags, nvcc = _flags(fam, False)
+        fp = _fingerprint(fam, (includes, cflags, nvcc))
         build_dir = cache_root() / f"{name}-{fp}"
         build_dir.mkdir(parents=True, exist_ok=True)
         marker = build_dir / ".built"
@@ -255,16 +256,30 @@ def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False
             if not marker.exists():
                 print(f"mla_autograd: building {name} for {' '.join(fam.archs)} (first use; cached in {build_dir})",
                       file=sys.stderr, flush=True)
-            mod = cpp_extension.load(
-                name=f"mla_autograd_{name}_{fp}",
-                sources=[str(p) for p in fam.sources()],
-                extra_include_paths=includes,
-                extra_cflags=cflags,
-                extra_cuda_cflags=nvcc,
-                build_directory=str(build_dir),
-                verbose=verbose,
-                with_cuda=True,
-            )
+            # torch's own build lock (build_dir/lock, FileBaton in older torch) is left behind when a
+            # build is killed, and then every later load waits on it forever. Under our lock no other
+            # builder can be running, so any such file is stale.
+            (build_dir / "lock").unlink(missing_ok=True)
+            env_before = os.environ.get("NVCC_APPEND_FLAGS")
+            if ptxas_verbose:
+                os.environ["NVCC_APPEND_FLAGS"] = f"{env_before or ''} -Xptxas=-v".strip()
+            try:
+                mod = cpp_extension.load(
+                    name=f"mla_autograd_{name}_{fp}",
+                    sources=[str(p) for p in fam.sources()],
+                    extra_include_paths=includes,
+                    extra_cflags=cflags,
+                    extra_cuda_cflags=nvcc,
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                    with_cuda=True,
+                )
+            finally:
+                if ptxas_verbose:
+                    if env_before is None:
+                        os.environ.pop("NVCC_APPEND_FLAGS", None)
+                    else:
+                        os.environ["NVCC_APPEND_FLAGS"] = env_before
             marker.touch()
         _loaded[key] = mod
         return mod

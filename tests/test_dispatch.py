@@ -38,7 +38,7 @@ def fake_gpu(monkeypatch):
 def test_attention_routes(fake_gpu, cap, dims, dtype, expect, op):
     fake_gpu["cap"] = cap
     if op == "attn_bwd" and expect == "sm90":
-        expect = "reference"  # fmha_bwd_sm90 is disabled in the table while it hangs (issue 4)
+        expect = "reference"  # fmha_bwd_sm90 is disabled in the table until its GPU tests pass (issue 4)
     c, _ = call(op=op, dims=dims, dtype=dtype)
     d = explain_call(c)
     assert d.backend == expect, str(d)
