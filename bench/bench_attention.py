@@ -177,13 +177,13 @@ def main():
     if args.sweep:
         shapes += [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
     rows = []
+    meta = stamp()
     for B, H, s, d, dv, c in shapes:
         use = {k: f for k, f in impls.items()
                if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))}
         rows += bench_one(B, H, s, d, dv, c, use, do_bwd=not args.no_bwd)
-    meta = stamp()
-    meta["rows"] = rows
-    path = write("attention", meta, Path(args.out))
+        meta["rows"] = rows
+        path = write("attention", meta, Path(args.out))  # after every workload: a cut-short run keeps its rows
     plot(rows, path.with_suffix(".png"))
     print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
     hdr = f"{'workload':<26}{'impl':<20}{'backend':<10}{'fwd TF/s':>9}{'bwd TF/s':>9}{'fwd/cudnn':>10}{'bwd/cudnn':>10}"

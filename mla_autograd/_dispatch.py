@@ -106,13 +106,6 @@ def _sm100_bwd_check(call: Call) -> str | None:
     return None
 
 
-def _sm90_bwd_check(call: Call) -> str | None:
-    # fmha_bwd_sm90 builds, but has not yet completed a GPU test: on 2026-11-29 every load of it on
-    # the H200 waited on a stale build lock left by a killed JIT build (a builder bug, since fixed), so
-    # the kernel never launched. Until its GPU tests pass, SM90 backward runs on the reference path.
-    return "fmha_bwd_sm90 is disabled: it has not yet passed its GPU tests (issue 4)"
-
-
 _ATTN_DIMS_SM90 = frozenset({(192, 128), (128, 128), (64, 64)})
 _ATTN_DIMS_SM100 = frozenset({(192, 128), (128, 128)})
 
@@ -126,7 +119,7 @@ TABLE: tuple[Route, ...] = (
           KERNEL_DTYPES, _ATTN_DIMS_SM100, _sm100_bwd_check,
           note="CUTLASS example-77 tcgen05/TMEM backward (compiled, not run here)"),
     Route("attn_bwd", "sm90", "fmha_bwd_sm90", lambda c: c == (9, 0), "9.0",
-          KERNEL_DTYPES, _ATTN_DIMS_SM90, _sm90_bwd_check, note="wgmma + TMA warp-specialized backward"),
+          KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized backward"),
     Route("attn_bwd", "reference", None, None, "any", None, None, note="pure PyTorch (explicit FlashAttention backward)"),
     Route("decode", "sm80_decode", "mla_decode_sm80", lambda c: c >= (8, 0), ">= 8.0",
           KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check, note="mma.sync paged MLA decode"),

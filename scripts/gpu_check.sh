@@ -7,6 +7,9 @@
 #   bash scripts/gpu_check.sh --tests-only
 #   bash scripts/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
+# Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET), GPU_TEST_FILES,
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
+# LAYER_BUDGET, LAYER_ARGS, EXAMPLE_BUDGET, EXAMPLE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-all}"
@@ -34,9 +37,17 @@ export MLA_AUTOGRAD_CACHE="${MLA_AUTOGRAD_CACHE:-/tmp/mla_autograd_cache}"
 say "$(grep -m1 -E 'torch|^2\.' "$WORK/env.txt" | tail -1) | $(date -u +%FT%TZ) | commit ${MLA_COMMIT:-?}"
 
 say "== build (ptxas -v)"; t=$(date +%s)
-timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --arch sm_80 sm_90a --ptxas-verbose --skip-missing >"$WORK/build.log" 2>&1
-say "build rc=$? in $(( $(date +%s) - t )) s"
+# one process per family, in parallel (each runs its own nvcc jobs): the build is the longest
+# single phase of a device call. BUILD_FAMILIES narrows it (default: every family for sm_80/sm_90a).
+FAMS="${BUILD_FAMILIES:-$(python3 -c "from mla_autograd._build import FAMILIES as F; print(' '.join(n for n, f in sorted(F.items()) if any(f.matches_arch(a) for a in ('sm_80', 'sm_90a'))))")}"
+for fam in $FAMS; do
+  timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --family "$fam" --ptxas-verbose >"$WORK/build_$fam.log" 2>&1 &
+done
+wait
+cat "$WORK"/build_*.log >"$WORK/build.log" 2>/dev/null
+say "build of $FAMS: $(( $(date +%s) - t )) s"
 grep -E "^(OK|FAIL|SKIP)" "$WORK/build.log" | tee -a "$summary"
+grep -A30 "^FAIL" "$WORK/build.log" | grep -E "error" | head -10 | tee -a "$summary"
 grep -E "bytes spill" "$WORK/build.log" | grep -vE " 0 bytes spill stores, 0 bytes spill loads" | sort | uniq -c | head -20 | sed 's/^/spill: /' | tee -a "$summary"
 for so in "$MLA_AUTOGRAD_CACHE"/*/*.so; do
   [ -f "$so" ] || continue
@@ -46,10 +57,27 @@ done
 rm -f "$WORK/sass.tmp"
 
 if [ "$MODE" != "--bench-only" ]; then
+  if grep -q "^OK   fmha_bwd_sm90" "$WORK/build.log"; then
+    # small cases with a per-gradient report first: a wrong or hanging backward shows here in seconds
+    say "== fmha_bwd_sm90 smoke"
+    timeout "${SMOKE_BUDGET:-150}" python3 tests/gpu/test_fmha_bwd_sm90.py --smoke >"$WORK/smoke.log" 2>&1
+    rc=$?; say "smoke rc=$rc"; grep -vE "Warning|warn\(" "$WORK/smoke.log" | tail -n 80 >>"$summary"
+    # SMOKE_GATE=1: a failing backward makes the later phases meaningless; stop and save device time
+    if [ "$rc" -ne 0 ] && [ -n "${SMOKE_GATE:-}" ]; then say "smoke failed: stopping (SMOKE_GATE)"; exit 1; fi
+  fi
+  if [ -n "${SANITIZE:-}" ]; then
+    say "== compute-sanitizer (tests/gpu/sanitize_small.py)"
+    for tool in memcheck racecheck; do
+      timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tests/gpu/sanitize_small.py \
+        >"$WORK/sanitize_$tool.log" 2>&1
+      say "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_small:" "$WORK/sanitize_$tool.log" | tr '\n' ' ')"
+      grep -E "^========= (Invalid|Race|Error|.*hazard)" "$WORK/sanitize_$tool.log" | sort | uniq -c | head -6 | tee -a "$summary"
+    done
+  fi
   say "== GPU tests"; t=$(date +%s)
   # most informative first; each file gets its own process so one crash cannot hide the rest
-  for f in tests/gpu/test_api_gpu.py tests/gpu/test_fmha_bwd_sm90.py tests/gpu/test_mla_decode_sm80.py \
-           tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_sm100.py; do
+  for f in ${GPU_TEST_FILES:-tests/gpu/test_api_gpu.py tests/gpu/test_fmha_bwd_sm90.py tests/gpu/test_mla_decode_sm80.py \
+           tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_sm100.py}; do
     [ -f "$f" ] || continue
     left=$(( ${TEST_BUDGET:-300} - ($(date +%s) - t) )); [ "$left" -gt 10 ] || { say "$f: not run (test budget spent)"; continue; }
     cap=$(( left * ${FILE_SHARE:-100} / 100 )); [ "$cap" -lt 30 ] && cap=$left  # FILE_SHARE: % of what is left
@@ -64,13 +92,17 @@ fi
 
 if [ "$MODE" != "--tests-only" ]; then
   say "== benchmarks"
+  if [ -n "${BWD_BENCH:-}" ]; then  # the backward kernel alone, also in deterministic mode, beside cuDNN
+    timeout 200 python3 tests/gpu/test_fmha_bwd_sm90.py --bench >"$WORK/bench_bwd.log" 2>&1
+    say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
+  fi
   timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
   say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
   if [ -n "${DECODE_BENCH:-}" ]; then
     timeout 120 python3 bench/bench_decode.py >"$WORK/bench_decode.log" 2>&1; say "bench_decode rc=$?"
     tail -n 12 "$WORK/bench_decode.log" >>"$summary"
   fi
-  timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py >"$WORK/bench_layer.log" 2>&1
+  timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
   say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
   [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && timeout "${EXAMPLE_BUDGET:-90}" python3 examples/train_mla.py --device cuda --steps "${EXAMPLE_STEPS:-200}" --out /tmp/mla_ex >"$WORK/train_mla.log" 2>&1
   [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && { say "train_mla rc=$?"; tail -n 4 "$WORK/train_mla.log" | tee -a "$summary"; }

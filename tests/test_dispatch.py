@@ -37,8 +37,6 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("op", ["attn_fwd", "attn_bwd"])
 def test_attention_routes(fake_gpu, cap, dims, dtype, expect, op):
     fake_gpu["cap"] = cap
-    if op == "attn_bwd" and expect == "sm90":
-        expect = "reference"  # fmha_bwd_sm90 is disabled in the table until its GPU tests pass (issue 4)
     c, _ = call(op=op, dims=dims, dtype=dtype)
     d = explain_call(c)
     assert d.backend == expect, str(d)
@@ -111,6 +109,8 @@ def test_sm100_deterministic_backward_goes_elsewhere(fake_gpu):
     assert explain_call(call(op="attn_fwd", deterministic=True)[0]).backend == "sm100"
 
 
-def test_sm90_backward_disabled_with_reason(fake_gpu):
-    d = explain_call(call(op="attn_bwd")[0])
-    assert d.backend == "reference" and "fmha_bwd_sm90 is disabled" in str(d)
+def test_sm90_backward_serves_deterministic(fake_gpu):
+    """fmha_bwd_sm90 orders its dQ sums with semaphores, so deterministic=True stays on the kernel."""
+    fake_gpu["cap"] = (9, 0)
+    d = explain_call(call(op="attn_bwd", deterministic=True)[0])
+    assert d.backend == "sm90", str(d)

@@ -12,28 +12,29 @@
 #include <cmath>
 #include <optional>
 
+#include "common/checks.h"
 #include "fmha_bwd_sm90_config.h"
 #include "fmha_bwd_sm90_params.h"
 
 namespace {
 
 void check_tensor(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t ndim) {
-  TORCH_CHECK(t.is_cuda(), "fmha_bwd_sm90: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == like.device(), "fmha_bwd_sm90: ", name, " must be on the device of q");
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "fmha_bwd_sm90: ", name, " must have the dtype of q (",
+  MLA_CHECK(t.is_cuda(), "fmha_bwd_sm90: ", name, " must be a CUDA tensor");
+  MLA_CHECK(t.device() == like.device(), "fmha_bwd_sm90: ", name, " must be on the device of q");
+  MLA_CHECK(t.scalar_type() == like.scalar_type(), "fmha_bwd_sm90: ", name, " must have the dtype of q (",
               like.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == ndim, "fmha_bwd_sm90: ", name, " must have ", ndim, " dims, got ", t.dim());
-  TORCH_CHECK(t.stride(-1) == 1, "fmha_bwd_sm90: ", name, " must have a unit last-dim stride");
+  MLA_CHECK(t.dim() == ndim, "fmha_bwd_sm90: ", name, " must have ", ndim, " dims, got ", t.dim());
+  MLA_CHECK(t.stride(-1) == 1, "fmha_bwd_sm90: ", name, " must have a unit last-dim stride");
   for (int64_t i = 0; i < ndim - 1; ++i) {
-    TORCH_CHECK(t.stride(i) % 8 == 0 || t.size(i) <= 1, "fmha_bwd_sm90: ", name,
+    MLA_CHECK(t.stride(i) % 8 == 0 || t.size(i) <= 1, "fmha_bwd_sm90: ", name,
                 " strides must be multiples of 8 elements (dim ", i, " has stride ", t.stride(i), ")");
   }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fmha_bwd_sm90: ", name,
+  MLA_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "fmha_bwd_sm90: ", name,
               " must be 16-byte aligned");
 }
 
 void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "fmha_bwd_sm90: ", name, " must have shape ", shape, ", got ", t.sizes());
+  MLA_CHECK(t.sizes() == shape, "fmha_bwd_sm90: ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
 }  // namespace
@@ -43,11 +44,11 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
          std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
          std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
          bool deterministic) {
-  TORCH_CHECK(q.is_cuda(), "fmha_bwd_sm90: q must be a CUDA tensor");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+  MLA_CHECK(q.is_cuda(), "fmha_bwd_sm90: q must be a CUDA tensor");
+  MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "fmha_bwd_sm90: q must be bfloat16 or float16, got ", q.scalar_type());
   const bool varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(cu_seqlens_k.has_value() == varlen,
+  MLA_CHECK(cu_seqlens_k.has_value() == varlen,
               "fmha_bwd_sm90: cu_seqlens_q and cu_seqlens_k must be given together");
   const int64_t nd = varlen ? 3 : 4;
   check_tensor(q, "q", q, nd);
@@ -58,38 +59,38 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   check_tensor(dq, "dq", q, nd);
   check_tensor(dk, "dk", q, nd);
   check_tensor(dv, "dv", q, nd);
-  TORCH_CHECK(dq.is_contiguous(), "fmha_bwd_sm90: dq must be contiguous");
-  TORCH_CHECK(dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
-  TORCH_CHECK(dv.is_contiguous(), "fmha_bwd_sm90: dv must be contiguous");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device(), "fmha_bwd_sm90: lse must be on the device of q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "fmha_bwd_sm90: lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK(lse.dim() == nd - 1, "fmha_bwd_sm90: lse must have ", nd - 1, " dims");
-  TORCH_CHECK(lse.stride(-1) == 1, "fmha_bwd_sm90: lse must have a unit last-dim stride");
+  MLA_CHECK(dq.is_contiguous(), "fmha_bwd_sm90: dq must be contiguous");
+  MLA_CHECK(dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
+  MLA_CHECK(dv.is_contiguous(), "fmha_bwd_sm90: dv must be contiguous");
+  MLA_CHECK(lse.is_cuda() && lse.device() == q.device(), "fmha_bwd_sm90: lse must be on the device of q");
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "fmha_bwd_sm90: lse must be float32, got ", lse.scalar_type());
+  MLA_CHECK(lse.dim() == nd - 1, "fmha_bwd_sm90: lse must have ", nd - 1, " dims");
+  MLA_CHECK(lse.stride(-1) == 1, "fmha_bwd_sm90: lse must have a unit last-dim stride");
 
   const int64_t d = q.size(-1), dvd = v.size(-1);
   const int64_t hq = q.size(-2), hkv = k.size(-2);
-  TORCH_CHECK((d == 192 && dvd == 128) || (d == 128 && dvd == 128) || (d == 64 && dvd == 64),
+  MLA_CHECK((d == 192 && dvd == 128) || (d == 128 && dvd == 128) || (d == 64 && dvd == 64),
               "fmha_bwd_sm90: unsupported head dims (q/k ", d, ", v ", dvd,
               "); supported: (192,128), (128,128), (64,64)");
-  TORCH_CHECK(k.size(-1) == d, "fmha_bwd_sm90: k head dim must equal q head dim");
-  TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "fmha_bwd_sm90: num heads of q (", hq,
+  MLA_CHECK(k.size(-1) == d, "fmha_bwd_sm90: k head dim must equal q head dim");
+  MLA_CHECK(hkv >= 1 && hq % hkv == 0, "fmha_bwd_sm90: num heads of q (", hq,
               ") must be a multiple of num heads of k (", hkv, ")");
-  TORCH_CHECK(v.size(-2) == hkv, "fmha_bwd_sm90: v must have the heads of k");
-  TORCH_CHECK(std::isfinite(softmax_scale), "fmha_bwd_sm90: softmax_scale must be finite");
+  MLA_CHECK(v.size(-2) == hkv, "fmha_bwd_sm90: v must have the heads of k");
+  MLA_CHECK(std::isfinite(softmax_scale), "fmha_bwd_sm90: softmax_scale must be finite");
 
   int64_t batch, sq, sk, tq, tk, msq, msk;
   if (varlen) {
     const at::Tensor& cq = *cu_seqlens_q;
     const at::Tensor& ck = *cu_seqlens_k;
-    TORCH_CHECK(cq.is_cuda() && cq.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_q must be on the device of q");
-    TORCH_CHECK(ck.is_cuda() && ck.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_k must be on the device of q");
-    TORCH_CHECK(cq.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_q must be int32");
-    TORCH_CHECK(ck.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_k must be int32");
-    TORCH_CHECK(cq.dim() == 1 && cq.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_q must be 1-D contiguous");
-    TORCH_CHECK(ck.dim() == 1 && ck.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_k must be 1-D contiguous");
-    TORCH_CHECK(cq.numel() == ck.numel() && cq.numel() >= 2,
+    MLA_CHECK(cq.is_cuda() && cq.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_q must be on the device of q");
+    MLA_CHECK(ck.is_cuda() && ck.device() == q.device(), "fmha_bwd_sm90: cu_seqlens_k must be on the device of q");
+    MLA_CHECK(cq.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_q must be int32");
+    MLA_CHECK(ck.scalar_type() == at::kInt, "fmha_bwd_sm90: cu_seqlens_k must be int32");
+    MLA_CHECK(cq.dim() == 1 && cq.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_q must be 1-D contiguous");
+    MLA_CHECK(ck.dim() == 1 && ck.is_contiguous(), "fmha_bwd_sm90: cu_seqlens_k must be 1-D contiguous");
+    MLA_CHECK(cq.numel() == ck.numel() && cq.numel() >= 2,
                 "fmha_bwd_sm90: cu_seqlens_q and cu_seqlens_k must both have B+1 >= 2 entries");
-    TORCH_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
+    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
                 "fmha_bwd_sm90: max_seqlen_q and max_seqlen_k are required with cu_seqlens");
     batch = cq.numel() - 1;
     tq = q.size(0);
@@ -97,7 +98,7 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
     sq = sk = 0;
     msq = *max_seqlen_q;
     msk = *max_seqlen_k;
-    TORCH_CHECK(msq >= 0 && msk >= 0, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
+    MLA_CHECK(msq >= 0 && msk >= 0, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
     check_shape(k, "k", {tk, hkv, d});
     check_shape(v, "v", {tk, hkv, dvd});
     check_shape(out, "out", {tq, hq, dvd});
@@ -111,7 +112,7 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
     tk = batch * sk;
     msq = max_seqlen_q.value_or(sq);
     msk = max_seqlen_k.value_or(sk);
-    TORCH_CHECK(msq == sq && msk == sk, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must match the dense lengths");
+    MLA_CHECK(msq == sq && msk == sk, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must match the dense lengths");
     check_shape(k, "k", {batch, sk, hkv, d});
     check_shape(v, "v", {batch, sk, hkv, dvd});
     check_shape(out, "out", {batch, sq, hq, dvd});
@@ -121,13 +122,13 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   check_shape(dq, "dq", q.sizes());
   check_shape(dk, "dk", k.sizes());
   check_shape(dv, "dv", v.sizes());
-  TORCH_CHECK(tq < (int64_t(1) << 31) && tk < (int64_t(1) << 31), "fmha_bwd_sm90: too many rows");
+  MLA_CHECK(tq < (int64_t(1) << 31) && tk < (int64_t(1) << 31), "fmha_bwd_sm90: too many rows");
 
   c10::cuda::CUDAGuard guard(q.device());
   int cc_major = 0, cc_minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  TORCH_CHECK(cc_major == 9 && cc_minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
+  MLA_CHECK(cc_major == 9 && cc_minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
               cc_major, ".", cc_minor);
 
   // Nothing to attend: zero gradients (no launch needed).
@@ -223,7 +224,7 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
       fmha_bwd_sm90_run_64_64(p, stream);
     }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
+    MLA_CHECK(false, e.what());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -25,9 +25,7 @@ def test_dispatch_picks_sm90(dims):
     v = torch.randn(1, 8, 2, dims[1], device="cuda", dtype=torch.bfloat16)
     e = M.explain(q, q, v, causal=True)
     assert e.forward.backend == "sm90", str(e)
-    # fmha_bwd_sm90 has not yet passed its GPU tests: the table routes SM90 backward to the reference
-    # path until it does (issue 4). Re-enabling it must update this line.
-    assert e.backward.backend == "reference" and "disabled" in str(e.backward), str(e)
+    assert e.backward.backend == "sm90", str(e)
 
 
 @pytest.mark.parametrize("dims", DIMS)

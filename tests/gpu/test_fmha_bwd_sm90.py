@@ -227,22 +227,57 @@ def _bench():
         torch.cuda.empty_cache()
 
 
+def _diagnose(ext_, q, k, v, *, scale, causal, bottom_right):
+    """Per-gradient error report: max error vs the plain-PyTorch baseline, NaN count, worst index, and
+    the share of elements off by more than 5x the baseline (a pattern there points at a layout bug)."""
+    kw = dict(softmax_scale=scale, causal=causal, bottom_right=bottom_right)
+    out32, lse = reference.attention_forward(q.float(), k.float(), v.float(), **kw)
+    out = out32.to(q.dtype)
+    dout = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(q.dtype)
+    refs = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out32, lse.float(), **kw)
+    qb, kb, vb = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    naive_attention(qb, kb, vb, softmax_scale=scale, causal=causal, bottom_right=bottom_right).backward(dout)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    ext_.bwd(dout, q, k, v, out, lse.contiguous(), *grads, None, None, None, None, scale, causal, bottom_right, False)
+    torch.cuda.synchronize()
+    ok = True
+    for name, a, r, b in zip(("dq", "dk", "dv"), grads, refs, (qb.grad, kb.grad, vb.grad)):
+        a, r, b = a.double(), r.double(), b.double()
+        nan = int((~torch.isfinite(a)).sum())
+        diff = (a - r).abs().nan_to_num(float("inf"))
+        base = (b - r).abs().max().item()
+        err = diff.max().item()
+        worst = tuple(int(x) for x in torch.unravel_index(diff.argmax(), diff.shape))
+        bad = (diff > 5 * base + EPS).double().mean().item()
+        good = nan == 0 and err <= 2 * base + EPS
+        ok &= good
+        print(f"    {name}: {'ok ' if good else 'BAD'} err {err:.3e} base {base:.3e} |ref|max {r.abs().max().item():.3e} "
+              f"nan {nan} worst {worst} (got {a[worst].item():.4g}, ref {r[worst].item():.4g}) bad-share {bad:.3f}",
+              flush=True)
+    return ok
+
+
 def _smoke():
-    """A few small cases with printed errors (for diagnosis, e.g. under compute-sanitizer)."""
+    """Small cases, simplest first, each with a per-gradient error report (for diagnosis, e.g. under
+    compute-sanitizer). Exit status 1 if any case is wrong."""
     ext_ = load_family("fmha_bwd_sm90")
-    for dims in DIMS:
-        for causal, br in MASKS:
-            d, dv_ = dims
-            q, k, v = _inputs((1, 70, 2, d), (1, 133, 1, d), (1, 133, 1, dv_), torch.bfloat16, seed=5)
-            try:
-                _run_and_check(ext_, q, k, v, scale=1.0 / math.sqrt(d), causal=causal, bottom_right=br)
-                print(f"smoke d={dims} causal={causal} br={br}: ok", flush=True)
-            except AssertionError as e:
-                print(f"smoke d={dims} causal={causal} br={br}: FAIL {e}", flush=True)
+    cases = [((1, 64, 1), (1, 128, 1), (False, False)),   # one M-block, one or two K/V blocks
+             ((1, 70, 2), (1, 133, 1), (False, False)),   # ragged, GQA 2:1
+             ((1, 70, 2), (1, 133, 1), (True, False)),
+             ((1, 70, 2), (1, 133, 1), (True, True)),
+             ((2, 300, 4), (2, 200, 2), (True, True))]
+    all_ok = True
+    for d, dv_ in DIMS:
+        for (b, sq, hq), (_, sk, hkv), (causal, br) in cases:
+            q, k, v = _inputs((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv_), torch.bfloat16, seed=5)
+            print(f"smoke d={d}/{dv_} B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} causal={causal} br={br}:", flush=True)
+            all_ok &= _diagnose(ext_, q, k, v, scale=1.0 / math.sqrt(d), causal=causal, bottom_right=br)
+    print("smoke:", "all ok" if all_ok else "FAILURES", flush=True)
+    return all_ok
 
 
 if __name__ == "__main__":
     if "--bench" in sys.argv:
         _bench()
     if "--smoke" in sys.argv:
-        _smoke()
+        sys.exit(0 if _smoke() else 1)

@@ -122,8 +122,7 @@ def test_layer_shapes_dispatch_to_kernels():
     v = torch.empty(2, 301, 16, 128, device="cuda", dtype=torch.bfloat16)
     ex = mla_autograd.explain(q, q, v, causal=True)
     assert ex.forward.backend == "sm90", str(ex)
-    # SM90 backward is disabled in the dispatch table until fmha_bwd_sm90 passes its GPU tests (issue 4).
-    assert ex.backward.backend == "reference" and "disabled" in str(ex.backward), str(ex)
+    assert ex.backward.backend == "sm90", str(ex)
     qn = torch.empty(3, 1, 16, 512, device="cuda", dtype=torch.bfloat16)
     qp = torch.empty(3, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
     ckv = torch.empty(10, 64, 512, device="cuda", dtype=torch.bfloat16)
