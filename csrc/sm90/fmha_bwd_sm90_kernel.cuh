@@ -6,9 +6,12 @@
 //        mbarrier pipeline for every (query head of the GQA group, M-block) the block must visit.
 //   WG1/WG2: consumers (setmaxnreg 240). Both operands of every wgmma come from smem; the two WGs
 //        split the N dimension of each GEMM (see fmha_bwd_sm90_config.h).
-// dQ: fp32 float4 atomics into dq_accum (columns permuted inside each group of 16 so a thread's four
-// accumulator values of one row are contiguous); deterministic mode orders the CTAs of one M-block
-// by a semaphore (K/V block order), so the float sums happen in a fixed order.
+// dQ: the consumers write each M-block's fp32 dQ to smem; warp 1 of the producer WG adds the block to
+// dq_accum in global memory with one bulk reduce (cp.reduce.async.bulk .add.f32), off the consumers'
+// critical path (per-thread float4 atomics there cost about a quarter of the kernel's time). The
+// block keeps one layout in smem and gmem (see dq_store_pos); the postprocess undoes it.
+// Deterministic mode orders the reduces of one M-block by a semaphore (K/V block order), so the
+// float sums happen in a fixed order.
 // dK/dV: summed over the GQA group in registers (the CTA loops over the group's query heads), so
 // no fp32 dK/dV workspace and no cross-CTA reduction; written once at the end.
 #pragma once
@@ -92,6 +95,10 @@ __host__ __device__ __forceinline__ int dq_perm_pos(int c) {
   int w = c & 15;
   return (c & ~15) + 4 * ((w & 7) >> 1) + 2 * (w >> 3) + (w & 1);
 }
+// Storage position of (row r of the M-block, column c): odd rows also swap neighbouring groups of 16
+// columns, because the 8 threads of one 16-byte store phase cover two rows whose 64-byte runs would
+// otherwise hit the same smem banks (rows are a multiple of 128 B apart). Needs D % 32 == 0.
+__host__ __device__ __forceinline__ int dq_store_pos(int r, int c) { return dq_perm_pos(c) ^ ((r & 1) << 4); }
 // Inverse: storage position -> column.
 __host__ __device__ __forceinline__ int dq_perm_col(int pos) {
   int w = pos & 15;
@@ -170,7 +177,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
     const int i = m * BM + r;
     if (i >= s.len_q) continue;
     const float4* src = reinterpret_cast<const float4*>(
-        p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + i) * D + g * 16);
+        p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + i) * D + (g ^ (r & 1)) * 16);
     float v[16];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -241,6 +248,7 @@ struct Traits {
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;
     array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> dst;
+    array_aligned<float, BM * D, 128> dq;  // fp32 dQ of one M-block, dq_store_pos layout
     alignas(8) uint64_t full_bar[Stages];
     alignas(8) uint64_t empty_bar[Stages];
     alignas(8) uint64_t kv_bar;
@@ -299,7 +307,17 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   return v;
 }
 
-enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarSem = 5 };
+// Named barriers (CUTLASS adds its reserved count). DqEmpty/DqFull: 256 consumers + the reducer warp.
+enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
+constexpr int kDqBarThreads = 256 + 32;
+
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :
+               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __grid_constant__ MainArgs<Tr> args) {
@@ -343,6 +361,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 1 && total_iters > 0) {
+      // dQ reducer: one bulk reduce per (query head, M-block), in the consumers' order
+      cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // the smem block starts free
+      for (int it = 0; it < total_iters; ++it) {
+        const int g = it / n_m, m = m_min + it % n_m;
+        const int hq = hkv * group + g;
+        const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
+        cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
+        if (lane == 0) {
+          int* sem = p.deterministic ? p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + sq.scratch_start / BM + m
+                                     : nullptr;
+          if (sem != nullptr) {
+            while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
+          }
+          bulk_reduce_add_f32(p.dq_accum + srow0 * D, ss.dq.data(), uint32_t(BM * D * sizeof(float)));
+          if (sem != nullptr) {
+            // the adds must have landed before the next K/V block's CTA may add to this M-block
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            __threadfence();
+            atomicAdd(sem, 1);
+          } else {
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // smem block read
+          }
+        }
+        __syncwarp();
+        if (it + 1 < total_iters) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);
+      }
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
     if (threadIdx.x == 0 && total_iters > 0) {
       const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
       // K, V of this block (once)
@@ -433,8 +481,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     const int g = it / n_m, m = m_min + it % n_m;
     const int hq = hkv * group + g;
     const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
-    const float* lse_ptr = p.lse_log2 + srow0;
-    const float* dpsum_ptr = p.dpsum + srow0;
+    // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout). Their lse
+    // and dpsum are loaded before the wait and the first GEMMs, which hide the L2 latency; loaded
+    // after a warpgroup_wait they would add two round trips to every iteration.
+    const int row_a = get<0>(tScS(0));
+    const float lse_a = __ldg(p.lse_log2 + srow0 + row_a), lse_b = __ldg(p.lse_log2 + srow0 + row_a + 8);
+    const float dps_a = __ldg(p.dpsum + srow0 + row_a), dps_b = __ldg(p.dpsum + srow0 + row_a + 8);
 
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
 
@@ -453,7 +505,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
       const int qi = q0 + row, kj = k0 + col;
       bool valid = kj < sq.len_k;
       if (p.causal) valid = valid && (kj <= qi + off);
-      const float lse2 = __ldg(lse_ptr + row);
+      const float lse2 = row == row_a ? lse_a : lse_b;
       tSrS(i) = valid ? exp2f(tSrS(i) * p.scale_log2 - lse2) : 0.f;
     }
     {
@@ -473,7 +525,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int row = get<0>(tScS(i));
-      tSrS(i) = tSrS(i) * (tdPrdP(i) - __ldg(dpsum_ptr + row));
+      tSrS(i) = tSrS(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
     }
     Tensor tdSrdS = make_tensor_like<Element>(tSrS);
     CUTE_UNROLL
@@ -491,19 +543,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
     warpgroup_fence_operand(tdQrdQ);
 
-    // dQ accumulation: float4 atomics in permuted column order.
-    float* dq_rows = p.dq_accum + srow0 * D;
-    int* sem = nullptr;
-    if (p.deterministic) {
-      sem = p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + sq.scratch_start / BM + m;
-      if (tidx == 0) {
-        while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
-      }
-      cutlass::arch::NamedBarrier::sync(256, kBarSem);
-    }
+    // dQ of this M-block to smem (the reducer warp adds it to dq_accum), 16-byte stores
+    float* sdq = ss.dq.data();
     static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
     constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
-    static_assert(kChunks % 2 == 0, "pairs of 8-column chunks");
+    static_assert(kChunks % 2 == 0 && D % 32 == 0, "pairs of 8-column chunks; dq_store_pos swizzle");
+    cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       CUTE_UNROLL
@@ -514,14 +559,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
                                tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
                                tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
                                tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
-        atomicAdd(reinterpret_cast<float4*>(dq_rows + int64_t(row) * D + dq_perm_pos(col)), v);
+        *reinterpret_cast<float4*>(sdq + row * D + dq_store_pos(row, col)) = v;
       }
     }
-    if (p.deterministic) {
-      __threadfence();
-      cutlass::arch::NamedBarrier::sync(256, kBarSem);
-      if (tidx == 0) atomicAdd(sem, 1);
-    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
+    cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqFull);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);
