@@ -11,7 +11,8 @@ Two measurements, median of CUDA-event timings:
    transformers: its latent DynamicCache (expand_kv over the whole cache every step), eager and sdpa.
 
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
-error and the rest go on. Results go to bench/results/bench_layer.json (and stdout).
+error and the rest go on. Results go to bench/results/layer-<date>-<gpu>-<commit>.json and .png
+(and stdout).
 
     python bench/bench_layer.py                        # GPU, defaults above
     python bench/bench_layer.py --device cpu --small   # smoke test on a CPU
@@ -35,6 +36,9 @@ sys.path.insert(0, ROOT)
 
 import mla_autograd  # noqa: E402
 from mla_autograd.nn import MultiHeadLatentAttention  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from common import stamp, write  # noqa: E402
 
 try:
     import transformers
@@ -244,7 +248,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "bench_layer.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="results folder")
     a = ap.parse_args(argv)
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -274,25 +278,48 @@ def main(argv=None):
             other = results.get(f"{what}/transformers_{attn}", {}).get("median_ms")
             if ours and other:
                 print(f"{what}: speedup of mla_autograd over transformers {attn}: {other / ours:.2f}x")
-    out = {
+    out = stamp()
+    out.update({
         "bench": "bench_layer",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
         "transformers": getattr(transformers, "__version__", None),
-        "mla_autograd": getattr(mla_autograd, "__version__", None),
         "dtype": str(dtype).replace("torch.", ""),
         "config": {k: getattr(a, k) for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope", "rope", "v",
                                               "batch", "seqlen", "decode_batch", "decode_len", "page_size",
                                               "warmup", "iters")},
         "backends": backends,
         "results": results,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {a.out}")
+    })
+    if device.type != "cuda":
+        out["gpu"] = "cpu"
+    path = write("layer", out, a.out)
+    _plot(results, path.with_suffix(".png"), f"{out['gpu']}, torch {out['torch']}, commit {out['commit']}")
+    print(f"wrote {path}")
     return 0
+
+
+def _plot(results: dict, path, title: str) -> None:
+    """Median ms per implementation, one panel per measurement."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    whats = [w for w in ("train_fwd", "train_fwd_bwd", "decode_step") if any(k.startswith(w + "/") for k in results)]
+    if not whats:
+        return
+    fig, axes = plt.subplots(1, len(whats), figsize=(4.5 * len(whats), 4), squeeze=False)
+    for ax, w in zip(axes[0], whats):
+        rows = [(k.split("/", 1)[1], v["median_ms"]) for k, v in results.items()
+                if k.startswith(w + "/") and isinstance(v, dict) and "median_ms" in v]
+        ax.bar([n for n, _ in rows], [t for _, t in rows])
+        ax.set_title(w)
+        ax.set_ylabel("median ms (lower is better)")
+        ax.tick_params(axis="x", labelsize=7, rotation=15)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
