@@ -360,42 +360,37 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
-    // 32 + 2 x 240 = 512 registers per thread slot: the whole register file at one CTA per SM. With
-    // 24 the dQ reducer below spilled (68-148 B per instantiation).
-    cutlass::arch::warpgroup_reg_dealloc<32>();
+    // 24 + 2 x 240 = 504 = 3 x 168, the launch allocation: setmaxnreg only moves registers inside the
+    // CTA's own pool, so the producer cannot keep more while the consumers take 240 (32 here hung the
+    // consumers' setmaxnreg.inc on the H200). At 24 ptxas reports 68-148 B of spill (docs/perf).
+    cutlass::arch::warpgroup_reg_dealloc<24>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 1 && total_iters > 0) {
-      // dQ reducer: one bulk reduce per (query head, M-block), in the consumers' order. Pointers
-      // advance by a row block per step and jump to the next query head of the group after n_m.
+      // dQ reducer: one bulk reduce per (query head, M-block), in the consumers' order
       cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // the smem block starts free
-      const int64_t row0 = int64_t(hkv * group) * p.scratch_rows + sq.scratch_start + int64_t(m_min) * BM;
-      float* gdq = p.dq_accum + row0 * D;
-      int* sem = p.deterministic ? p.dq_sem + row0 / BM : nullptr;
-      const int64_t head_jump = (p.scratch_rows - int64_t(n_m) * BM);  // rows from one head's end to the next
-      for (int g = 0, it = 0; g < group; ++g) {
-        for (int mi = 0; mi < n_m; ++mi, ++it) {
-          cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
-          if (lane == 0) {
-            if (sem != nullptr) {
-              while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
-            }
-            bulk_reduce_add_f32(gdq, ss.dq.data(), uint32_t(BM * D * sizeof(float)));
-            if (sem != nullptr) {
-              // the adds must have landed before the next K/V block's CTA may add to this M-block
-              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-              __threadfence();
-              atomicAdd(sem, 1);
-            } else {
-              asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // smem block read
-            }
+      for (int it = 0; it < total_iters; ++it) {
+        const int g = it / n_m, m = m_min + it % n_m;
+        const int hq = hkv * group + g;
+        const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
+        cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
+        if (lane == 0) {
+          int* sem = p.deterministic ? p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + sq.scratch_start / BM + m
+                                     : nullptr;
+          if (sem != nullptr) {
+            while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
           }
-          __syncwarp();
-          if (it + 1 < total_iters) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);
-          gdq += BM * D;
-          if (sem != nullptr) ++sem;
+          bulk_reduce_add_f32(p.dq_accum + srow0 * D, ss.dq.data(), uint32_t(BM * D * sizeof(float)));
+          if (sem != nullptr) {
+            // the adds must have landed before the next K/V block's CTA may add to this M-block
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            __threadfence();
+            atomicAdd(sem, 1);
+          } else {
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // smem block read
+          }
         }
-        gdq += head_jump * D;
-        if (sem != nullptr) sem += head_jump / BM;
+        __syncwarp();
+        if (it + 1 < total_iters) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);
       }
       if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
