@@ -133,7 +133,8 @@ def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{mxn} = {mx} is smaller than the longest sequence ({lens.max().item()})")
 
 
-def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale) -> None:
+def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, *,
+                 check_values: bool = True) -> None:
     """See mla_autograd.decode for shapes."""
     for n, t in (("q_nope", q_nope), ("q_pe", q_pe)):
         _check_tensor(n, t, 4)
@@ -171,7 +172,7 @@ def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
         raise ValueError("softmax_scale is required for decode (the absorbed head dim is not the "
                          "model's: pass e.g. 1/sqrt(qk_nope_head_dim + qk_rope_head_dim))")
     softmax_scale_or_default(softmax_scale, 1)
-    if not check_values_enabled(q_nope, block_table):
+    if not check_values or not check_values_enabled(q_nope, block_table):
         return
     lens = cache_seqlens.cpu().long()
     page = ckv_cache.shape[1]

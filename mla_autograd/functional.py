@@ -71,7 +71,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
 
 def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
-           cache_seqlens: Tensor, *, softmax_scale: float, causal: bool = True, return_lse: bool = False):
+           cache_seqlens: Tensor, *, softmax_scale: float, causal: bool = True, return_lse: bool = False,
+           check_values: bool = True):
     """Weight-absorbed MLA decode over a paged latent cache. Inference only.
 
     Every query head attends to the shared latent K = [ckv, kpe] (512 + 64) and V = ckv (512).
@@ -87,11 +88,16 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
         softmax_scale: required (e.g. 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN mscale^2).
         causal: new token i sees cache positions <= cache_seqlens - Sq + i; else all positions.
         return_lse: also return lse (B, H, Sq) float32.
+        check_values: check cache_seqlens and the used block_table entries against the cache (they are
+            read on the host: a device sync per call). Pass False when the caller keeps them valid by
+            construction, as ``nn.MLACache`` does, to keep decode steps free of host syncs. The checks
+            are also skipped under torch.compile and CUDA-graph capture.
 
     Returns:
         out (B, Sq, H, Dc) in q_nope's dtype [, lse].
     """
-    V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale)
+    V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
+                   check_values=check_values)
     V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)
     out, lse = torch.ops.mla_autograd.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
                                                  float(softmax_scale), bool(causal))

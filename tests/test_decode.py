@@ -69,3 +69,29 @@ def test_decode_is_inference_only():
         M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
     with torch.inference_mode():
         M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
+
+
+def test_decode_check_values_false_reads_nothing_on_the_host(monkeypatch):
+    """check_values=False (what nn.MLACache's decode steps use) must not copy cache_seqlens or
+    block_table to the host: on a GPU that copy is a device sync per generated token."""
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=32, dim_kpe=8, dtype=torch.float64)
+    q_nope, q_pe = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    from mla_autograd import _validate
+
+    host_reads = []
+    real_cpu = torch.Tensor.cpu
+
+    def spy(t, *a, **k):
+        host_reads.append(tuple(t.shape))
+        return real_cpu(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", spy)
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
+    assert host_reads == []
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checks read both
+    assert (2,) in host_reads and tuple(table.shape) in host_reads
+    monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+    out = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, check_values=False)
+    exp_out, _ = _expected(q_nope, q_pe, ckv, kpe, table, lens, 0.2, True)
+    torch.testing.assert_close(out, exp_out.to(out.dtype))

@@ -333,7 +333,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_lat = torch.bmm(qn, w_uk).view(H, B, S, self.kv_lora_rank).permute(1, 2, 0, 3)
         cd = cache.dtype
         o_lat = _api().decode(q_lat.to(cd).contiguous(), q_pe.to(cd).contiguous(), cache.ckv, cache.kpe,
-                              cache.block_table, cache.seqlens, softmax_scale=self.softmax_scale, causal=True)
+                              cache.block_table, cache.seqlens, softmax_scale=self.softmax_scale, causal=True,
+                              check_values=False)  # MLACache keeps them valid; no host sync per step
         # W_UV after attention: (H, B*S, r) @ (H, r, v) -> (B, S, H, v)
         ol = o_lat.to(w_uv_t.dtype).permute(2, 0, 1, 3).reshape(H, B * S, self.kv_lora_rank)
         o = torch.bmm(ol, w_uv_t).view(H, B, S, self.v_head_dim).permute(1, 2, 0, 3)
