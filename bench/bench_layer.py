@@ -211,12 +211,21 @@ def bench_decode(a, device, dtype, results, backends):
             hcache.update(ckv[:, None], kpe[:, None], 0)  # the latent cache transformers keeps
             n = [L]
 
+            # transformers renamed past_key_values -> cache (5.2x); an unknown keyword is swallowed by
+            # **kwargs and the step silently runs without the cache, so pick the one forward takes.
+            import inspect
+            kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
             def step():
                 pos = torch.full((B, 1), n[0], device=device, dtype=torch.long)
-                hf(x, rot(x, pos), None, cache=hcache)
+                hf(x, rot(x, pos), None, **{kw: hcache})
                 n[0] += 1
 
             r = timeit(step, warmup=a.warmup, iters=a.iters, device=device)
+            grown = hcache.get_seq_length(0)
+            if grown != L + a.warmup + a.iters:
+                raise RuntimeError(f"transformers' cache holds {grown} tokens after the steps, expected "
+                                   f"{L + a.warmup + a.iters}: the steps did not use it")
             results[key] = r
             print(f"{key:32s} {r['median_ms']:9.3f} ms (min {r['min_ms']:.3f})")
             hf = hcache = None
