@@ -63,7 +63,7 @@ struct BwdPlan {
 };
 
 void check_same_dtype(const at::Tensor& t, const at::Tensor& q, const char* name) {
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "mla_autograd sm100: ", name, " dtype ", t.scalar_type(),
+  MLA_CHECK(t.scalar_type() == q.scalar_type(), "mla_autograd sm100: ", name, " dtype ", t.scalar_type(),
               " must equal q dtype ", q.scalar_type());
 }
 
@@ -79,7 +79,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
                   const c10::optional<int64_t>& max_seqlen_q, const c10::optional<int64_t>& max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
                   bool deterministic) {
   BwdPlan P;
-  TORCH_CHECK(!deterministic,
+  MLA_CHECK(!deterministic,
               "mla_autograd sm100: deterministic=True is not supported by the SM100 backward (dQ is accumulated "
               "with fp32 TMA reduce-add across key tiles, whose order varies run to run)");
   P.dtype = dtype_of(q, "q");
@@ -90,26 +90,26 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   check_same_dtype(dq, q, "dq");
   check_same_dtype(dk, q, "dk");
   check_same_dtype(dv, q, "dv");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK(cu_q.has_value() == cu_k.has_value(),
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
+  MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
               "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  TORCH_CHECK(std::isfinite(softmax_scale), "mla_autograd sm100: softmax_scale must be finite, got ", softmax_scale);
+  MLA_CHECK(std::isfinite(softmax_scale), "mla_autograd sm100: softmax_scale must be finite, got ", softmax_scale);
   P.scale = float(softmax_scale);
   P.varlen = cu_q.has_value();
   const int64_t nd = P.varlen ? 3 : 4;
   using Named = std::pair<const at::Tensor*, const char*>;
   for (auto [t, name] : std::initializer_list<Named>{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
                                                      {&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
-    TORCH_CHECK(t->dim() == nd, "mla_autograd sm100: ", name, " must be ", nd, "-D, got shape ", t->sizes());
+    MLA_CHECK(t->dim() == nd, "mla_autograd sm100: ", name, " must be ", nd, "-D, got shape ", t->sizes());
   }
   P.dqk = q.size(-1);
   P.dvo = v.size(-1);
   P.hd = head_dims_of(P.dqk, P.dvo);
   P.Hq = q.size(-2);
   P.Hk = k.size(-2);
-  TORCH_CHECK(P.Hq >= 1 && P.Hk >= 1 && P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq,
+  MLA_CHECK(P.Hq >= 1 && P.Hk >= 1 && P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq,
               " must be a positive multiple of k heads ", P.Hk);
-  TORCH_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads above the grid limit 65535");
+  MLA_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads above the grid limit 65535");
   P.h_r = P.Hq / P.Hk;
   P.mask = mask_of(causal, bottom_right);
   if (P.varlen) {
@@ -118,9 +118,9 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
     check_cu(cu_k, "cu_seqlens_k", P.B + 1);
     P.total_q = q.size(0);
     P.total_k = k.size(0);
-    TORCH_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
+    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
                 "mla_autograd sm100: varlen calls need max_seqlen_q and max_seqlen_k");
-    TORCH_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
+    MLA_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
     P.max_q = *max_seqlen_q;
     P.max_k = *max_seqlen_k;
     check_shape(k, "k", {P.total_k, P.Hk, P.dqk});
@@ -148,7 +148,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
     check_shape(dk, "dk", {P.B, P.Sk, P.Hk, P.dqk});
     check_shape(dv, "dv", {P.B, P.Sk, P.Hk, P.dvo});
   }
-  TORCH_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
+  MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
               "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
   check_operand(q, "q");
   check_operand(k, "k");
@@ -159,11 +159,11 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   check_operand(dk, "dk");
   check_operand(dv, "dv");
   if (P.varlen) {
-    TORCH_CHECK(P.total_q <= 1 || lse.stride(1) == 1, "mla_autograd sm100: lse must have unit stride over tokens");
+    MLA_CHECK(P.total_q <= 1 || lse.stride(1) == 1, "mla_autograd sm100: lse must have unit stride over tokens");
     P.lse_head = lse.stride(0);
     P.lse_batch = 0;
   } else {
-    TORCH_CHECK(P.Sq <= 1 || lse.stride(2) == 1, "mla_autograd sm100: lse must have unit stride over seqlen_q");
+    MLA_CHECK(P.Sq <= 1 || lse.stride(2) == 1, "mla_autograd sm100: lse must have unit stride over seqlen_q");
     P.lse_head = lse.stride(1);
     P.lse_batch = lse.stride(0);
   }
@@ -173,8 +173,8 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   } else if (P.total_k == 0) {
     P.empty = "no_keys";
   } else {
-    TORCH_CHECK(P.max_q > 0, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
-    TORCH_CHECK(P.max_k > 0, "mla_autograd sm100: max_seqlen_k is 0 but k has ", P.total_k, " rows");
+    MLA_CHECK(P.max_q > 0, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
+    MLA_CHECK(P.max_k > 0, "mla_autograd sm100: max_seqlen_k is 0 but k has ", P.total_k, " rows");
   }
 
   auto contig = [](RowHead& r, int64_t H, int64_t D, bool& flag) {
@@ -213,7 +213,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   }
   const int64_t KH = P.kern_h_r * P.kern_h_k;  // = Hq
   for (auto* r : {&P.q, &P.k, &P.v, &P.o, &P.dout, &P.dk, &P.dv}) {
-    TORCH_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
+    MLA_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
   }
 
   // workspace: [b][h][qp] scaled lse, [b][h][qp] -sum(O*dO), [b][h][qp][dp] fp32 dQ (int64 sizes)
@@ -221,7 +221,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   P.dp = round_up(P.dqk, 8);
   const int64_t per_batch = KH * P.qp * (2 + P.dp) * 4;
   P.workspace_bytes_unchunked = P.B * per_batch;
-  TORCH_CHECK(P.dp * P.qp * KH <= kInt32Max, "mla_autograd sm100: heads * round8(max_seqlen_q) * round8(d_qk) = ",
+  MLA_CHECK(P.dp * P.qp * KH <= kInt32Max, "mla_autograd sm100: heads * round8(max_seqlen_q) * round8(d_qk) = ",
               P.dp * P.qp * KH, " must be below 2^31 (int32 batch stride of the CUTLASS dQ accumulator)");
   int64_t chunk = std::max<int64_t>(P.B, 1);
   // (a) memory: padded rows of a chunk at most max(2 * total_q, max_q)
@@ -234,11 +234,11 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
                      extent(rows, P.dv.row, P.kern_h_k, P.dv.head, P.dvo)});
   };
   if (P.varlen) {
-    TORCH_CHECK(kv_extent(P.total_k) <= kInt32Max, "mla_autograd sm100: varlen backward needs every dk/dv offset "
+    MLA_CHECK(kv_extent(P.total_k) <= kInt32Max, "mla_autograd sm100: varlen backward needs every dk/dv offset "
                 "below 2^31 (CUTLASS stores dK/dV with int32 offsets), got ", kv_extent(P.total_k),
                 "; split the batch (cu_seqlens_k) into smaller calls");
   } else if (P.Sk > 0) {
-    TORCH_CHECK(kv_extent(P.Sk) <= kInt32Max, "mla_autograd sm100: one sequence of dk/dv spans ", kv_extent(P.Sk),
+    MLA_CHECK(kv_extent(P.Sk) <= kInt32Max, "mla_autograd sm100: one sequence of dk/dv spans ", kv_extent(P.Sk),
                 " elements, above the int32 offsets of the CUTLASS backward");
     while (chunk > 1 && kv_extent(chunk * P.Sk) > kInt32Max) {
       chunk = std::max<int64_t>(1, std::min(chunk - 1, kInt32Max / kv_extent(P.Sk)));
@@ -323,19 +323,19 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          bool deterministic) {
   BwdPlan P = make_plan(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         softmax_scale, causal, bottom_right, deterministic);
-  TORCH_CHECK(q.is_cuda(), "mla_autograd sm100: q must be a CUDA tensor");
+  MLA_CHECK(q.is_cuda(), "mla_autograd sm100: q must be a CUDA tensor");
   for (const at::Tensor* t : {&dout, &k, &v, &out, &lse, static_cast<const at::Tensor*>(&dq),
                               static_cast<const at::Tensor*>(&dk), static_cast<const at::Tensor*>(&dv)}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == q.device(),
+    MLA_CHECK(t->is_cuda() && t->device() == q.device(),
                 "mla_autograd sm100: dout, q, k, v, out, lse, dq, dk, dv must be on the same CUDA device");
   }
   if (P.varlen) {
-    TORCH_CHECK(cu_seqlens_q->device() == q.device(), "mla_autograd sm100: cu_seqlens_q must be on q's device");
-    TORCH_CHECK(cu_seqlens_k->device() == q.device(), "mla_autograd sm100: cu_seqlens_k must be on q's device");
+    MLA_CHECK(cu_seqlens_q->device() == q.device(), "mla_autograd sm100: cu_seqlens_q must be on q's device");
+    MLA_CHECK(cu_seqlens_k->device() == q.device(), "mla_autograd sm100: cu_seqlens_k must be on q's device");
   }
   c10::cuda::CUDAGuard guard(q.device());
   const DeviceInfo dev = device_info(q.get_device());
-  TORCH_CHECK(dev.major == 10, "mla_autograd sm100: fmha_bwd_sm100 needs an SM100 GPU (compute capability 10.x, "
+  MLA_CHECK(dev.major == 10, "mla_autograd sm100: fmha_bwd_sm100 needs an SM100 GPU (compute capability 10.x, "
               "built for sm_100a); this device is ", dev.major, ".", dev.minor);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
 

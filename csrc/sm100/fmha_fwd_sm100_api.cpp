@@ -68,34 +68,34 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   double softmax_scale, bool causal, bool bottom_right) {
   FwdPlan P;
   P.dtype = dtype_of(q, "q");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "mla_autograd sm100: k dtype ", k.scalar_type(),
+  MLA_CHECK(k.scalar_type() == q.scalar_type(), "mla_autograd sm100: k dtype ", k.scalar_type(),
               " differs from q dtype ", q.scalar_type());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), "mla_autograd sm100: v dtype ", v.scalar_type(),
+  MLA_CHECK(v.scalar_type() == q.scalar_type(), "mla_autograd sm100: v dtype ", v.scalar_type(),
               " differs from q dtype ", q.scalar_type());
-  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "mla_autograd sm100: out dtype ", out.scalar_type(),
+  MLA_CHECK(out.scalar_type() == q.scalar_type(), "mla_autograd sm100: out dtype ", out.scalar_type(),
               " must equal q dtype ", q.scalar_type());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK(cu_q.has_value() == cu_k.has_value(),
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
+  MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
               "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale != 0.0,
+  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale != 0.0,
               "mla_autograd sm100: softmax_scale must be finite and nonzero (CUTLASS reads 0 as 1/sqrt(d)), got ",
               softmax_scale);
   P.scale = float(softmax_scale);
   P.varlen = cu_q.has_value();
   const int64_t nd = P.varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == nd, "mla_autograd sm100: q must be ", nd, "-D (", P.varlen ? "total_q, heads, d" : "batch, seqlen_q, heads, d", "), got shape ", q.sizes());
-  TORCH_CHECK(k.dim() == nd, "mla_autograd sm100: k must be ", nd, "-D, got shape ", k.sizes());
-  TORCH_CHECK(v.dim() == nd, "mla_autograd sm100: v must be ", nd, "-D, got shape ", v.sizes());
+  MLA_CHECK(q.dim() == nd, "mla_autograd sm100: q must be ", nd, "-D (", P.varlen ? "total_q, heads, d" : "batch, seqlen_q, heads, d", "), got shape ", q.sizes());
+  MLA_CHECK(k.dim() == nd, "mla_autograd sm100: k must be ", nd, "-D, got shape ", k.sizes());
+  MLA_CHECK(v.dim() == nd, "mla_autograd sm100: v must be ", nd, "-D, got shape ", v.sizes());
   P.dqk = q.size(-1);
   P.dvo = v.size(-1);
   P.hd = head_dims_of(P.dqk, P.dvo);
-  TORCH_CHECK(k.size(-1) == P.dqk, "mla_autograd sm100: k last dim ", k.size(-1), " must equal q last dim ", P.dqk);
+  MLA_CHECK(k.size(-1) == P.dqk, "mla_autograd sm100: k last dim ", k.size(-1), " must equal q last dim ", P.dqk);
   P.Hq = q.size(-2);
   P.Hk = k.size(-2);
-  TORCH_CHECK(P.Hq >= 1 && P.Hk >= 1, "mla_autograd sm100: q and k need at least one head");
-  TORCH_CHECK(v.size(-2) == P.Hk, "mla_autograd sm100: v heads ", v.size(-2), " must equal k heads ", P.Hk);
-  TORCH_CHECK(P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq, " must be a multiple of k heads ", P.Hk);
-  TORCH_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads ", P.Hq, " above the grid limit 65535");
+  MLA_CHECK(P.Hq >= 1 && P.Hk >= 1, "mla_autograd sm100: q and k need at least one head");
+  MLA_CHECK(v.size(-2) == P.Hk, "mla_autograd sm100: v heads ", v.size(-2), " must equal k heads ", P.Hk);
+  MLA_CHECK(P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq, " must be a multiple of k heads ", P.Hk);
+  MLA_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads ", P.Hq, " above the grid limit 65535");
   P.h_r = P.Hq / P.Hk;
   P.mask = mask_of(causal, bottom_right);
 
@@ -105,10 +105,10 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     check_cu(cu_k, "cu_seqlens_k", P.B + 1);
     P.total_q = q.size(0);
     P.total_k = k.size(0);
-    TORCH_CHECK(v.size(0) == P.total_k, "mla_autograd sm100: v rows ", v.size(0), " must equal k rows ", P.total_k);
-    TORCH_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
+    MLA_CHECK(v.size(0) == P.total_k, "mla_autograd sm100: v rows ", v.size(0), " must equal k rows ", P.total_k);
+    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
                 "mla_autograd sm100: varlen calls need max_seqlen_q and max_seqlen_k");
-    TORCH_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
+    MLA_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
     P.max_q = *max_seqlen_q;
     P.max_k = *max_seqlen_k;
     check_shape(out, "out", {P.total_q, P.Hq, P.dvo});
@@ -117,9 +117,9 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     P.B = q.size(0);
     P.Sq = q.size(1);
     P.Sk = k.size(1);
-    TORCH_CHECK(k.size(0) == P.B && v.size(0) == P.B, "mla_autograd sm100: q, k, v batch sizes differ (",
+    MLA_CHECK(k.size(0) == P.B && v.size(0) == P.B, "mla_autograd sm100: q, k, v batch sizes differ (",
                 q.size(0), ", ", k.size(0), ", ", v.size(0), ")");
-    TORCH_CHECK(v.size(1) == P.Sk, "mla_autograd sm100: v seqlen ", v.size(1), " must equal k seqlen ", P.Sk);
+    MLA_CHECK(v.size(1) == P.Sk, "mla_autograd sm100: v seqlen ", v.size(1), " must equal k seqlen ", P.Sk);
     P.total_q = P.B * P.Sq;
     P.total_k = P.B * P.Sk;
     P.max_q = P.Sq;
@@ -127,7 +127,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     check_shape(out, "out", {P.B, P.Sq, P.Hq, P.dvo});
     check_shape(lse, "lse", {P.B, P.Hq, P.Sq});
   }
-  TORCH_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
+  MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
               "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
   check_operand(q, "q");
   check_operand(k, "k");
@@ -140,7 +140,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   } else if (P.total_k == 0) {
     P.empty = "no_keys";
   } else if (P.varlen && P.max_q == 0) {
-    TORCH_CHECK(false, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
+    MLA_CHECK(false, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
   }
 
   P.q = row_head_of(q);
@@ -174,7 +174,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     P.cu_entries = P.B + 1;
     P.batches = P.B;
   }
-  TORCH_CHECK(P.batches <= 65535, "mla_autograd sm100: ", P.B, " sequences give ", P.batches,
+  MLA_CHECK(P.batches <= 65535, "mla_autograd sm100: ", P.B, " sequences give ", P.batches,
               " launched batches, above the grid limit 65535; split the batch");
 
   // out: written in place when max_q rows of its own storage precede it, else staged
@@ -191,7 +191,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       P.out_staging_bytes = (P.max_q + P.total_q) * P.Hq * P.dvo * int64_t(out.element_size());
     }
   }
-  TORCH_CHECK(P.max_q * (P.batches + 1) <= kInt32Max, "mla_autograd sm100: max_seqlen_q * (batches + 1) = ",
+  MLA_CHECK(P.max_q * (P.batches + 1) <= kInt32Max, "mla_autograd sm100: max_seqlen_q * (batches + 1) = ",
               P.max_q * (P.batches + 1), " must be below 2^31 (int32 extent of the CUTLASS varlen output descriptor)");
 
   // lse addressing: kernel writes lse_ptr[(cu[b] + r) + h * lse_head + b * lse_batch]
@@ -224,11 +224,11 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   {
     int64_t max_off = P.total_q + (P.Hq - 1) * P.lse_head + (P.batches - 1) * P.lse_batch;
-    TORCH_CHECK(max_off <= kInt32Max, "mla_autograd sm100: lse addressing exceeds int32 (", max_off,
+    MLA_CHECK(max_off <= kInt32Max, "mla_autograd sm100: lse addressing exceeds int32 (", max_off,
                 "); split the batch");
   }
   for (auto* r : {&P.q, &P.k, &P.v, &P.o}) {
-    TORCH_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
+    MLA_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
   }
   P.grid_x = ceil_div(P.max_q, 256);
   P.grid_y = P.Hq;
@@ -291,17 +291,17 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          const c10::optional<int64_t>& max_seqlen_q, const c10::optional<int64_t>& max_seqlen_k, double softmax_scale, bool causal, bool bottom_right) {
   FwdPlan P = make_plan(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                         causal, bottom_right);
-  TORCH_CHECK(q.is_cuda(), "mla_autograd sm100: q must be a CUDA tensor");
+  MLA_CHECK(q.is_cuda(), "mla_autograd sm100: q must be a CUDA tensor");
   for (auto* t : {&k, &v, static_cast<const at::Tensor*>(&out), static_cast<const at::Tensor*>(&lse)}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "mla_autograd sm100: q, k, v, out, lse must be on the same CUDA device");
+    MLA_CHECK(t->is_cuda() && t->device() == q.device(), "mla_autograd sm100: q, k, v, out, lse must be on the same CUDA device");
   }
   if (P.varlen) {
-    TORCH_CHECK(cu_seqlens_q->device() == q.device(), "mla_autograd sm100: cu_seqlens_q must be on q's device");
-    TORCH_CHECK(cu_seqlens_k->device() == q.device(), "mla_autograd sm100: cu_seqlens_k must be on q's device");
+    MLA_CHECK(cu_seqlens_q->device() == q.device(), "mla_autograd sm100: cu_seqlens_q must be on q's device");
+    MLA_CHECK(cu_seqlens_k->device() == q.device(), "mla_autograd sm100: cu_seqlens_k must be on q's device");
   }
   c10::cuda::CUDAGuard guard(q.device());
   const DeviceInfo dev = device_info(q.get_device());
-  TORCH_CHECK(dev.major == 10, "mla_autograd sm100: fmha_fwd_sm100 needs an SM100 GPU (compute capability 10.x, built for sm_100a); this device is ",
+  MLA_CHECK(dev.major == 10, "mla_autograd sm100: fmha_fwd_sm100 needs an SM100 GPU (compute capability 10.x, built for sm_100a); this device is ",
               dev.major, ".", dev.minor);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
 
