@@ -54,8 +54,10 @@ def _inputs(shape_q, shape_k, shape_v, dtype, seed):
     return q, k, v
 
 
-def _run_and_check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None,
-                   deterministic=False, seed=0):
+def _kernel_vs_reference(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None,
+                         deterministic=False, seed=0):
+    """Run the kernel (outputs NaN-poisoned) and return [(name, kernel grad, float32 reference grad,
+    plain-PyTorch grad in the input dtype)] for dq, dk, dv."""
     dtype = q.dtype
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk,
               softmax_scale=scale, causal=causal, bottom_right=bottom_right)
@@ -64,24 +66,26 @@ def _run_and_check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k
     out = out32.to(dtype)
     g = torch.Generator(device=DEV).manual_seed(seed + 1)
     dout = torch.randn(out.shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
-    dq_ref, dk_ref, dv_ref = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out32,
-                                                          lse.float(), **kw)
+    refs = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out32, lse.float(), **kw)
     # plain PyTorch autograd in the same precision
     qb, kb, vb = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     ob = naive_attention(qb, kb, vb, softmax_scale=scale, causal=causal, bottom_right=bottom_right,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     ob.backward(dout)
     # kernel, outputs poisoned
-    dq = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
-    dk = torch.full(k.shape, float("nan"), dtype=dtype, device=DEV)
-    dv = torch.full(v.shape, float("nan"), dtype=dtype, device=DEV)
-    ext.bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, msq, msk, scale, causal, bottom_right,
+    grads = [torch.full(t.shape, float("nan"), dtype=dtype, device=DEV) for t in (q, k, v)]
+    ext.bwd(dout, q, k, v, out, lse.contiguous(), *grads, cu_q, cu_k, msq, msk, scale, causal, bottom_right,
             deterministic)
     torch.cuda.synchronize()
-    for name, a, r, b in (("dq", dq, dq_ref, qb.grad), ("dk", dk, dk_ref, kb.grad), ("dv", dv, dv_ref, vb.grad)):
+    return list(zip(("dq", "dk", "dv"), grads, refs, (qb.grad, kb.grad, vb.grad)))
+
+
+def _run_and_check(ext, q, k, v, **kw):
+    results = _kernel_vs_reference(ext, q, k, v, **kw)
+    for name, a, r, b in results:
         assert torch.isfinite(a).all(), f"{name}: non-finite values"
         assert_error_within(a, r, b, factor=2.0, eps=EPS, name=name)
-    return dq, dk, dv
+    return tuple(a for _, a, _, _ in results)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}x{h[1]}")
@@ -230,18 +234,8 @@ def _bench():
 def _diagnose(ext_, q, k, v, *, scale, causal, bottom_right):
     """Per-gradient error report: max error vs the plain-PyTorch baseline, NaN count, worst index, and
     the share of elements off by more than 5x the baseline (a pattern there points at a layout bug)."""
-    kw = dict(softmax_scale=scale, causal=causal, bottom_right=bottom_right)
-    out32, lse = reference.attention_forward(q.float(), k.float(), v.float(), **kw)
-    out = out32.to(q.dtype)
-    dout = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(q.dtype)
-    refs = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out32, lse.float(), **kw)
-    qb, kb, vb = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    naive_attention(qb, kb, vb, softmax_scale=scale, causal=causal, bottom_right=bottom_right).backward(dout)
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    ext_.bwd(dout, q, k, v, out, lse.contiguous(), *grads, None, None, None, None, scale, causal, bottom_right, False)
-    torch.cuda.synchronize()
     ok = True
-    for name, a, r, b in zip(("dq", "dk", "dv"), grads, refs, (qb.grad, kb.grad, vb.grad)):
+    for name, a, r, b in _kernel_vs_reference(ext_, q, k, v, scale=scale, causal=causal, bottom_right=bottom_right):
         a, r, b = a.double(), r.double(), b.double()
         nan = int((~torch.isfinite(a)).sum())
         diff = (a - r).abs().nan_to_num(float("inf"))
