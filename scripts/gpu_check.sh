@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET), GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
 # LAYER_BUDGET, LAYER_ARGS, EXAMPLE_BUDGET, EXAMPLE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +88,14 @@ if [ "$MODE" != "--bench-only" ]; then
     grep -E "^FAILED|^ERROR" "$WORK/$(basename "$f" .py).log" | head -8 | tee -a "$summary"
   done
   say "gpu tests: $(( $(date +%s) - t )) s"
+  # FWD_SCHEDS="1 2": the forward's alternative schedules (MLA_FWD_SM90_SCHED) through its own tests,
+  # each in a fresh process (the kernel reads the variable once)
+  for s in ${FWD_SCHEDS:-}; do
+    MLA_FWD_SM90_SCHED=$s timeout "${SCHED_TEST_BUDGET:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_fmha_fwd_sm90.py >"$WORK/fwd_sched$s.log" 2>&1
+    say "fwd tests, schedule $s, rc=$?: $(grep -E '(passed|failed|error)' "$WORK/fwd_sched$s.log" | tail -1)"
+    grep -E "^FAILED|^ERROR" "$WORK/fwd_sched$s.log" | head -8 | tee -a "$summary"
+  done
 fi
 
 if [ "$MODE" != "--tests-only" ]; then
@@ -96,6 +104,10 @@ if [ "$MODE" != "--tests-only" ]; then
     timeout 200 python3 tests/gpu/test_fmha_bwd_sm90.py --bench >"$WORK/bench_bwd.log" 2>&1
     say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
   fi
+  for s in ${FWD_SCHEDS:+0 $FWD_SCHEDS}; do  # the forward kernel alone under each schedule, beside cuDNN
+    MLA_FWD_SM90_SCHED=$s timeout 120 python3 tests/gpu/test_fmha_fwd_sm90.py --bench >"$WORK/bench_fwd_sched$s.log" 2>&1
+    say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_sched$s.log" | tee -a "$summary"
+  done
   timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
   say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
   if [ -n "${DECODE_BENCH:-}" ]; then
