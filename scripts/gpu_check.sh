@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET), GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
 # LAYER_BUDGET, LAYER_ARGS, EXAMPLE_BUDGET, EXAMPLE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,9 +104,12 @@ if [ "$MODE" != "--tests-only" ]; then
     timeout 200 python3 tests/gpu/test_fmha_bwd_sm90.py --bench >"$WORK/bench_bwd.log" 2>&1
     say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
   fi
-  for s in ${FWD_SCHEDS:+0 $FWD_SCHEDS}; do  # the forward kernel alone under each schedule, beside cuDNN
-    MLA_FWD_SM90_SCHED=$s timeout 120 python3 tests/gpu/test_fmha_fwd_sm90.py --bench >"$WORK/bench_fwd_sched$s.log" 2>&1
-    say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_sched$s.log" | tee -a "$summary"
+  # FWD_BENCH=1: the forward kernel alone, beside cuDNN, with its defaults and then under each FWD_SCHEDS
+  # schedule (forcing a schedule also keeps the config's kBlockN for unmasked problems)
+  for s in ${FWD_BENCH:+default} ${FWD_SCHEDS:-}; do
+    if [ "$s" = default ]; then env_s=(env -u MLA_FWD_SM90_SCHED); else env_s=(env MLA_FWD_SM90_SCHED=$s); fi
+    "${env_s[@]}" timeout 120 python3 tests/gpu/test_fmha_fwd_sm90.py --bench >"$WORK/bench_fwd_$s.log" 2>&1
+    say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_$s.log" | tee -a "$summary"
   done
   timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
   say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"

@@ -8,6 +8,13 @@
 //   dV^T += dO^T P   (DV x BN, K = BM)      dK^T += Q^T dS   (D x BN,  K = BM)
 //   dQ  = dS K       (BM x D,  K = BN)  -> fp32 atomics into a workspace, converted by a postprocess
 // P and dS go through smem (stored transposed, keys-major); dK/dV live in registers until the end.
+//
+// kSwapSdP (d <= 128, FlashAttention-3's choice there): S^T = K Q^T and dP^T = V dO^T instead, with
+// the consumer warpgroups splitting the keys (M = BN = 2 x 64). P^T and dS^T are then already the
+// register A operands of dV = P^T dO and dK = dS^T Q (RS wgmma): P never goes through smem, and only
+// dS^T is stored (4-byte stores, two buffers) for dQ = dS K. The per-query lse/dpsum come into smem
+// with each Q/dO stage (bulk copies on the same mbarrier). d = 192 keeps the unswapped schedule
+// (BN = 96 is not two 64-row atoms).
 #pragma once
 
 template <int kHeadDim, int kHeadDimV>
@@ -18,6 +25,7 @@ struct FmhaBwdSm90Config<192, 128> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 96;
   static constexpr int kStages = 2;   // Q/dO pipeline stages
+  static constexpr bool kSwapSdP = false;
 };
 
 template <>
@@ -25,6 +33,7 @@ struct FmhaBwdSm90Config<128, 128> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
+  static constexpr bool kSwapSdP = true;
 };
 
 template <>
@@ -32,6 +41,7 @@ struct FmhaBwdSm90Config<64, 64> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
+  static constexpr bool kSwapSdP = true;
 };
 
 // Every config uses the same M-block for the preprocess/postprocess and the fp32 scratch layout.

@@ -2,10 +2,14 @@
 // postprocess, and the host launcher template. Included by fmha_bwd_sm90_hdim*.cu only.
 //
 // Main kernel (one CTA = one K/V block of one kv head of one sequence, 384 threads):
-//   WG0: producer; one thread loads K/V once (TMA) and streams Q/dO tiles through a kStages
-//        mbarrier pipeline for every (query head of the GQA group, M-block) the block must visit.
-//   WG1/WG2: consumers (setmaxnreg 240). Both operands of every wgmma come from smem; the two WGs
-//        split the N dimension of each GEMM (see fmha_bwd_sm90_config.h).
+//   WG0: producer; one thread loads K/V once (TMA) and streams Q/dO tiles (and, swapped, the M-block's
+//        lse/dpsum) through a kStages mbarrier pipeline for every (query head of the GQA group,
+//        M-block) the block must visit.
+//   WG1/WG2: consumers (setmaxnreg 240), two schedules (fmha_bwd_sm90_config.h):
+//        unswapped (d = 192): every wgmma reads both operands from smem and the two WGs split the N
+//          dimension of each GEMM; P^T and dS^T go through smem.
+//        swapped (kSwapSdP, d <= 128): S^T/dP^T with the WGs splitting the keys; dV and dK are RS
+//          wgmma on the P^T/dS^T registers; only dS^T goes through smem (for dQ).
 // dQ: the consumers write each M-block's fp32 dQ to smem; warp 1 of the producer WG adds the block to
 // dq_accum in global memory with one bulk reduce (cp.reduce.async.bulk .add.f32), off the consumers'
 // critical path (per-thread float4 atomics there cost about a quarter of the kernel's time). The
@@ -43,6 +47,7 @@
 
 #include "fmha_bwd_sm90_config.h"
 #include "fmha_bwd_sm90_params.h"
+#include "sm90_attn_common.cuh"
 
 namespace fmha_bwd_sm90 {
 
@@ -202,7 +207,9 @@ struct Traits {
   using Cfg = FmhaBwdSm90Config<D_, DV_>;
   static constexpr int D = D_, DV = DV_;
   static constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, Stages = Cfg::kStages;
+  static constexpr bool Swap = Cfg::kSwapSdP;
   static constexpr int kThreads = 384;
+  static_assert(!Swap || BN == 128, "swapped: the two consumer WGs own 64 keys each");
   static_assert(BM == 64, "one 64-row wgmma atom per M-block");
   static_assert(D % 64 == 0 && DV % 64 == 0, "head dims multiple of 64");
   static_assert((BN / 2) % 8 == 0 && (D / 2) % 16 == 0, "per-WG N tiles");
@@ -240,15 +247,29 @@ struct Traits {
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, _16>, GMMA::Major::MN, GMMA::Major::MN>(),
       AtomLayout{}));
+  // Swapped schedule: the WGs split M = BN (keys). S^T = K Q^T, dP^T = V dO^T (SS);
+  // dV = P^T dO, dK = dS^T Q (RS: P^T/dS^T from registers, dO/Q read MN-major as dO^T/Q^T).
+  using AtomLayoutKeys = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaSdPt = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, BMt, _16>, GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutKeys{}));
+  using TiledMmadVs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, DVt, _16>, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+  using TiledMmadKs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Dt, _16>, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
 
   struct SharedStorage {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;
+    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;   // swapped: the second dS^T buffer
     array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> dst;
     array_aligned<float, BM * D, 128> dq;  // fp32 dQ of one M-block, dq_store_pos layout
+    array_aligned<float, Stages * BM, 128> lse;  // swapped: lse_log2 / dpsum of each stage's M-block
+    array_aligned<float, Stages * BM, 128> dps;
     alignas(8) uint64_t full_bar[Stages];
     alignas(8) uint64_t empty_bar[Stages];
     alignas(8) uint64_t kv_bar;
@@ -258,6 +279,7 @@ struct Traits {
 
   static constexpr uint32_t kBytesQ = BM * D * sizeof(Element);
   static constexpr uint32_t kBytesdO = BM * DV * sizeof(Element);
+  static constexpr uint32_t kBytesRowStats = Swap ? 2 * BM * sizeof(float) : 0;  // lse + dpsum per stage
   static constexpr uint32_t kBytesK = BN * D * sizeof(Element);
   static constexpr uint32_t kBytesV = BN * DV * sizeof(Element);
 
@@ -286,21 +308,6 @@ struct MainArgs {
 };
 
 // ------------------------------------------------------------------------------------------------
-// wgmma helpers: one warpgroup-wide batch C (+)= A B over all k-blocks, both operands in smem.
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void gemm_ss(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(tA); ++kb) {
-    cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tC);
-}
-
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -319,6 +326,381 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* sm
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
+// ------------------------------------------------------------------------------------------------
+// What one CTA of the main kernel does (uniform over the CTA).
+struct CtaWork {
+  Seq sq;
+  int n_block, hkv, b;
+  int m_min, n_m;    // M-blocks [m_min, m_min + n_m) of every query head of the group
+  int group, off;    // query heads per kv head; causal diagonal offset (Sk - Sq bottom-right, else 0)
+  int total_iters;   // group * n_m
+};
+
+// The fp32 dQ of one M-block (this thread's part of the dQ accumulator, D/2 columns per WG) into the
+// smem block the reducer warp adds to dq_accum: waits until the previous block has been read, stores
+// 16 bytes at a time in the dq_store_pos layout, fences for the bulk copy's async proxy, signals.
+template <int D, class TAcc, class TCoord>
+__device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord& tdQcdQ, float* sdq) {
+  static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
+  constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
+  static_assert(kChunks % 2 == 0 && D % 32 == 0, "pairs of 8-column chunks; dq_store_pos swizzle");
+  cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    CUTE_UNROLL
+    for (int j = 0; j < kChunks; j += 2) {
+      auto c0 = make_coord(make_coord(0, h, j), 0, 0);
+      const int row = get<0>(tdQcdQ(c0)), col = get<1>(tdQcdQ(c0));
+      float4 v = make_float4(tdQrdQ(make_coord(make_coord(0, h, j), 0, 0)),
+                             tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
+                             tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
+                             tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
+      *reinterpret_cast<float4*>(sdq + row * D + dq_store_pos(row, col)) = v;
+    }
+  }
+  cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
+  cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqFull);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Consumers, unswapped schedule (d = 192): both operands of every wgmma in smem, the two WGs split N.
+template <class Tr>
+__device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
+                                                  const CtaWork& w) {
+  using Element = typename Tr::Element;
+  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, DV = Tr::DV, Stages = Tr::Stages;
+  const FmhaBwdSm90Params& p = args.p;
+  const Seq& sq = w.sq;
+  const int n_block = w.n_block, hkv = w.hkv, b = w.b, m_min = w.m_min, n_m = w.n_m, group = w.group;
+  const int off = w.off, total_iters = w.total_iters;
+  const int tidx = threadIdx.x - 128;  // 0..255
+  const int cwg = tidx / 128;          // consumer warpgroup 0/1
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutP{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutP{});
+
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmadKV mma_dkv;
+  typename Tr::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);      // (MMA, MMA_N, MMA_K)
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);
+  Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tPsP = thr_sdp.partition_C(sP);
+  Tensor tdSsdS = thr_sdp.partition_C(sdS);
+
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor cdQ = make_identity_tensor(Shape<Int<BM>, Int<D>>{});
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  if (total_iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.kv_bar, 0);
+
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int it = 0; it < total_iters; ++it) {
+    const int g = it / n_m, m = m_min + it % n_m;
+    const int hq = hkv * group + g;
+    const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
+    // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout). Their lse
+    // and dpsum are loaded before the wait and the first GEMMs, which hide the L2 latency; loaded
+    // after a warpgroup_wait they would add two round trips to every iteration.
+    const int row_a = get<0>(tScS(0));
+    const float lse_a = __ldg(p.lse_log2 + srow0 + row_a), lse_b = __ldg(p.lse_log2 + srow0 + row_a + 8);
+    const float dps_a = __ldg(p.dpsum + srow0 + row_a), dps_b = __ldg(p.dpsum + srow0 + row_a + 8);
+
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP, true);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+
+    // P = exp2(S * scale_log2 - lse_log2), masked to 0
+    const int q0 = m * BM, k0 = n_block * BN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
+      const int qi = q0 + row, kj = k0 + col;
+      bool valid = kj < sq.len_k;
+      if (p.causal) valid = valid && (kj <= qi + off);
+      const float lse2 = row == row_a ? lse_a : lse_b;
+      tSrS(i) = valid ? exp2f(tSrS(i) * p.scale_log2 - lse2) : 0.f;
+    }
+    {
+      Tensor tPrP = make_tensor_like<Element>(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tPrP(i) = Element(tSrS(i));
+      copy(tPrP, tPsP);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
+    // dV^T += dO^T P  (reads only this WG's keys of P^T)
+    mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, false);
+    warpgroup_wait<1>();  // dP done
+    warpgroup_fence_operand(tdPrdP);
+
+    // dS = P * (dP - dpsum)
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int row = get<0>(tScS(i));
+      tSrS(i) = tSrS(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
+    }
+    Tensor tdSrdS = make_tensor_like<Element>(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tdSrdS(i) = Element(tSrS(i));
+    // the other WG's dQ GEMM of the previous step must be done reading dS
+    cutlass::arch::NamedBarrier::sync(256, kBardSFree);
+    copy(tdSrdS, tdSsdS);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+
+    // dQ = dS K ; dK^T += Q^T dS. The dQ atomics below overlap the dK^T GEMM.
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+    mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
+    mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, false);
+    warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
+    warpgroup_fence_operand(tdQrdQ);
+
+    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdVrdV);
+    // this stage's Q/dO are no longer read by any wgmma of this thread's warpgroup
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+    if (++stage == Stages) { stage = 0; phase ^= 1; }
+  }
+
+  // ---------------------------------------------------------------- epilogue: dK, dV
+  {
+    Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
+    Tensor tdVcdV = thr_dkv.partition_C(cdV);
+    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
+                  hkv * p.dv_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdVrdV); ++i) {
+      const int dim = get<0>(tdVcdV(i)), key = n_block * BN + get<1>(tdVcdV(i));
+      if (key < sq.len_k) dv[int64_t(key) * p.dv_row_stride + dim] = Element(tdVrdV(i));
+    }
+    Tensor cdK = make_identity_tensor(Shape<Int<D>, Int<BN>>{});
+    Tensor tdKcdK = thr_dkv.partition_C(cdK);
+    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
+                  hkv * p.dk_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) {
+      const int dim = get<0>(tdKcdK(i)), key = n_block * BN + get<1>(tdKcdK(i));
+      if (key < sq.len_k) dk[int64_t(key) * p.dk_row_stride + dim] = Element(tdKrdK(i) * p.softmax_scale);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Consumers, swapped schedule (kSwapSdP, d <= 128). Consumer WG c owns keys [64c, 64c + 64) of the
+// K/V block. Per M-block:
+//   S^T = K Q^T, dP^T = V dO^T (SS, issued back to back)
+//   P^T = exp2(S^T * scale_log2 - lse_log2[query]) masked;  dV += P^T dO (RS, P^T from registers)
+//   dS^T = P^T (dP^T - dpsum[query]);                       dK += dS^T Q (RS)
+//   dS^T -> smem (buffer it % 2), both WGs' halves -> dQ = dS K (SS, the WGs split D)
+// The dS^T buffers alternate, so a WG may store the next M-block's dS^T while the other WG's dQ GEMM
+// still reads this one: one 256-thread barrier per step.
+template <class Tr>
+__device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
+                                                const CtaWork& w) {
+  using Element = typename Tr::Element;
+  using BMt = typename Tr::BMt; using BNt = typename Tr::BNt; using Dt = typename Tr::Dt; using DVt = typename Tr::DVt;
+  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, Stages = Tr::Stages;
+  const FmhaBwdSm90Params& p = args.p;
+  const Seq& sq = w.sq;
+  const int tidx = threadIdx.x - 128;  // 0..255
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  // dS^T buffers (keys x queries, queries contiguous) and their (queries x keys) views for dQ
+  Tensor sdSt0 = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
+  Tensor sdSt1 = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
+  Tensor sdS0 = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutP{});
+  Tensor sdS1 = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutP{});
+
+  typename Tr::TiledMmaSdPt mma_sdp;
+  typename Tr::TiledMmadVs mma_dv;
+  typename Tr::TiledMmadKs mma_dk;
+  typename Tr::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dv = mma_dv.get_thread_slice(tidx);
+  auto thr_dk = mma_dk.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, 1, D/16): this WG's 64 keys
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, 1, D/16, Stages)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, 1, BM/16, Stages)
+  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
+  Tensor tdQrdS0 = thr_dq.partition_fragment_A(sdS0);
+  Tensor tdQrdS1 = thr_dq.partition_fragment_A(sdS1);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS0 = thr_sdp.partition_C(sdSt0);
+  Tensor tdSsdS1 = thr_sdp.partition_C(sdSt1);
+
+  Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<BNt, DVt>{});  // (keys, dv) rows of this WG
+  Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<BNt, Dt>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  // (key, query) coordinates of this thread's S^T elements in the (row, col) view: rows are keys,
+  // columns queries; columns 2c and 2c + 1 are adjacent queries (one 8-byte lse/dpsum load).
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BNt, BMt>{}));
+  Tensor cS_rc = make_tensor(cS.data(), mla_sm90::acc_rowcol(cS.layout()));
+  Tensor cdQ = make_identity_tensor(Shape<BMt, Dt>{});
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  if (w.total_iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.kv_bar, 0);
+
+  const int key0 = w.n_block * BN;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int it = 0; it < w.total_iters; ++it) {
+    const int m = w.m_min + it % w.n_m;
+    const int q0 = m * BM;
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BNt, BMt>{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<BNt, BMt>{});
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP, true);
+    Tensor S_rc = make_tensor(tSrS.data(), mla_sm90::acc_rowcol(tSrS.layout()));
+    Tensor dP_rc = make_tensor(tdPrdP.data(), mla_sm90::acc_rowcol(tdPrdP.layout()));
+    const float* lse_s = ss.lse.data() + stage * BM;
+    const float* dps_s = ss.dps.data() + stage * BM;
+    warpgroup_wait<1>();  // S^T done
+    warpgroup_fence_operand(tSrS);
+
+    // P^T = exp2(S^T * scale_log2 - lse_log2), 0 outside the sequence and above the causal diagonal.
+    // Query rows past the sequence end have lse_log2 = +inf (preprocess), so their P is 0 as well.
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S_rc); c += 2) {
+      const int qc = get<1>(cS_rc(0, c));
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + qc);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(S_rc); ++r) {
+        const int key = key0 + get<0>(cS_rc(r, c));
+        const bool in_k = key < sq.len_k;
+        const bool v0 = in_k && (!p.causal || key <= q0 + qc + w.off);
+        const bool v1 = in_k && (!p.causal || key <= q0 + qc + 1 + w.off);
+        S_rc(r, c) = v0 ? exp2f(S_rc(r, c) * p.scale_log2 - l2.x) : 0.f;
+        S_rc(r, c + 1) = v1 ? exp2f(S_rc(r, c + 1) * p.scale_log2 - l2.y) : 0.f;
+      }
+    }
+    Tensor tPrP = make_tensor<Element>(mla_sm90::acc_to_A_regs(tSrS.layout()));
+    mla_sm90::convert_frag(tSrS, tPrP);
+    mla_sm90::wg_gemm<true>(mma_dv, tPrP, tdVrdOt(_, _, _, stage), tdVrdV, false);
+    warpgroup_wait<1>();  // dP^T done; dV may still run
+    warpgroup_fence_operand(tdPrdP);
+
+    // dS^T = P^T (dP^T - dpsum)
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dP_rc); c += 2) {
+      const float2 d2 = *reinterpret_cast<const float2*>(dps_s + get<1>(cS_rc(0, c)));
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(dP_rc); ++r) {
+        dP_rc(r, c) = S_rc(r, c) * (dP_rc(r, c) - d2.x);
+        dP_rc(r, c + 1) = S_rc(r, c + 1) * (dP_rc(r, c + 1) - d2.y);
+      }
+    }
+    Tensor tdSr = make_tensor<Element>(mla_sm90::acc_to_A_regs(tdPrdP.layout()));
+    mla_sm90::convert_frag(tdPrdP, tdSr);
+    mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, stage), tdKrdK, false);
+
+    // dS^T to smem for dQ: adjacent queries are adjacent in smem (a 16-byte swizzle unit keeps
+    // them together), so each pair is one 4-byte store. The C-layout view of the converted
+    // registers has the same element order as the accumulator.
+    {
+      Tensor tdSr_c = make_tensor(tdSr.data(), tdPrdP.layout());
+      static_assert(decltype(cosize(tdPrdP.layout()))::value == decltype(size(tdPrdP))::value, "compact accumulator");
+      auto store_pairs = [&](auto& dst) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdSr_c); i += 2) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = tdSr_c(i);
+          pair[1] = tdSr_c(i + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&dst(i)) = pair;
+        }
+      };
+      if (it & 1) store_pairs(tdSsdS1); else store_pairs(tdSsdS0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);  // both WGs' keys of dS^T are in smem
+
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BMt, Dt>{});
+    if (it & 1) mla_sm90::wg_gemm<false>(mma_dq, tdQrdS1, tdQrKt, tdQrdQ, true);
+    else mla_sm90::wg_gemm<false>(mma_dq, tdQrdS0, tdQrKt, tdQrdQ, true);
+    warpgroup_wait<0>();  // dV, dK, dQ done: P^T/dS^T registers and this stage's Q/dO are free
+    warpgroup_fence_operand(tdQrdQ);
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdVrdV);
+    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+    if (++stage == Stages) { stage = 0; phase ^= 1; }
+  }
+
+  // ---------------------------------------------------------------- epilogue: dK, dV
+  // rows are keys, columns dims: adjacent dims of a thread form one 4-byte store
+  auto store_rows = [&](const auto& acc, const auto& thr, auto shape, Element* base, int64_t row_stride, float scale) {
+    Tensor cc = thr.partition_C(make_identity_tensor(shape));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int key = key0 + get<0>(cc(i)), dim = get<1>(cc(i));
+      if (key < sq.len_k) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(acc(i) * scale);
+        pair[1] = Element(acc(i + 1) * scale);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(key) * row_stride + dim) = pair;
+      }
+    }
+  };
+  Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
+                w.hkv * p.dv_head_stride;
+  Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
+                w.hkv * p.dk_head_stride;
+  store_rows(tdVrdV, thr_dv, Shape<BNt, DVt>{}, dv, p.dv_row_stride, 1.f);
+  store_rows(tdKrdK, thr_dk, Shape<BNt, Dt>{}, dk, p.dk_row_stride, p.softmax_scale);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Main kernel: producer warpgroup, then one of the two consumer schedules.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __grid_constant__ MainArgs<Tr> args) {
   using Element = typename Tr::Element;
@@ -423,9 +805,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
         auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
         cutlass::arch::ClusterBarrier::wait(&ss.empty_bar[stage], phase ^ 1);
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage], Tr::kBytesQ + Tr::kBytesdO);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage],
+                                                                       Tr::kBytesQ + Tr::kBytesdO + Tr::kBytesRowStats);
         copy(args.tma_q.with(ss.full_bar[stage]), tQgQ, tQsQ(_, stage));
         copy(args.tma_do.with(ss.full_bar[stage]), tdOgdO, tdOsdO(_, stage));
+        if constexpr (Tr::Swap) {
+          // scratch rows of an M-block are 64 contiguous floats at a multiple of 64: 16-byte aligned
+          const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
+          SM90_BULK_COPY_G2S::copy(p.lse_log2 + srow0, &ss.full_bar[stage], ss.lse.data() + stage * BM, BM * 4);
+          SM90_BULK_COPY_G2S::copy(p.dpsum + srow0, &ss.full_bar[stage], ss.dps.data() + stage * BM, BM * 4);
+        }
         if (++stage == Stages) { stage = 0; phase ^= 1; }
       }
     }
@@ -434,167 +823,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
-  const int tidx = threadIdx.x - 128;  // 0..255
-  const int cwg = tidx / 128;          // consumer warpgroup 0/1
-
-  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
-  Tensor sPt = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
-  Tensor sP = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutP{});
-  Tensor sdSt = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
-  Tensor sdS = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutP{});
-
-  typename Tr::TiledMmaSdP mma_sdp;
-  typename Tr::TiledMmadKV mma_dkv;
-  typename Tr::TiledMmadQ mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
-
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);      // (MMA, MMA_M, MMA_K, Stages)
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);      // (MMA, MMA_N, MMA_K)
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);
-  Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-
-  Tensor tPsP = thr_sdp.partition_C(sP);
-  Tensor tdSsdS = thr_sdp.partition_C(sdS);
-
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
-  clear(tdVrdV);
-  clear(tdKrdK);
-
-  Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
-  Tensor tScS = thr_sdp.partition_C(cS);
-  Tensor cdQ = make_identity_tensor(Shape<Int<BM>, Int<D>>{});
-  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
-
-  if (total_iters > 0) cutlass::arch::ClusterTransactionBarrier::wait(&ss.kv_bar, 0);
-
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int it = 0; it < total_iters; ++it) {
-    const int g = it / n_m, m = m_min + it % n_m;
-    const int hq = hkv * group + g;
-    const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
-    // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout). Their lse
-    // and dpsum are loaded before the wait and the first GEMMs, which hide the L2 latency; loaded
-    // after a warpgroup_wait they would add two round trips to every iteration.
-    const int row_a = get<0>(tScS(0));
-    const float lse_a = __ldg(p.lse_log2 + srow0 + row_a), lse_b = __ldg(p.lse_log2 + srow0 + row_a + 8);
-    const float dps_a = __ldg(p.dpsum + srow0 + row_a), dps_b = __ldg(p.dpsum + srow0 + row_a + 8);
-
-    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
-
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
-    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
-    gemm_ss<true>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
-    gemm_ss<true>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(tSrS);
-
-    // P = exp2(S * scale_log2 - lse_log2), masked to 0
-    const int q0 = m * BM, k0 = n_block * BN;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
-      const int qi = q0 + row, kj = k0 + col;
-      bool valid = kj < sq.len_k;
-      if (p.causal) valid = valid && (kj <= qi + off);
-      const float lse2 = row == row_a ? lse_a : lse_b;
-      tSrS(i) = valid ? exp2f(tSrS(i) * p.scale_log2 - lse2) : 0.f;
-    }
-    {
-      Tensor tPrP = make_tensor_like<Element>(tSrS);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) tPrP(i) = Element(tSrS(i));
-      copy(tPrP, tPsP);
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
-    // dV^T += dO^T P  (reads only this WG's keys of P^T)
-    gemm_ss<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV);
-    warpgroup_wait<1>();  // dP done
-    warpgroup_fence_operand(tdPrdP);
-
-    // dS = P * (dP - dpsum)
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      const int row = get<0>(tScS(i));
-      tSrS(i) = tSrS(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
-    }
-    Tensor tdSrdS = make_tensor_like<Element>(tSrS);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tdSrdS(i) = Element(tSrS(i));
-    // the other WG's dQ GEMM of the previous step must be done reading dS
-    cutlass::arch::NamedBarrier::sync(256, kBardSFree);
-    copy(tdSrdS, tdSsdS);
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
-
-    // dQ = dS K ; dK^T += Q^T dS. The dQ atomics below overlap the dK^T GEMM.
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
-    gemm_ss<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-    gemm_ss<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK);
-    warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
-    warpgroup_fence_operand(tdQrdQ);
-
-    // dQ of this M-block to smem (the reducer warp adds it to dq_accum), 16-byte stores
-    float* sdq = ss.dq.data();
-    static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
-    constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
-    static_assert(kChunks % 2 == 0 && D % 32 == 0, "pairs of 8-column chunks; dq_store_pos swizzle");
-    cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      CUTE_UNROLL
-      for (int j = 0; j < kChunks; j += 2) {
-        auto c0 = make_coord(make_coord(0, h, j), 0, 0);
-        const int row = get<0>(tdQcdQ(c0)), col = get<1>(tdQcdQ(c0));
-        float4 v = make_float4(tdQrdQ(make_coord(make_coord(0, h, j), 0, 0)),
-                               tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
-                               tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
-                               tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
-        *reinterpret_cast<float4*>(sdq + row * D + dq_store_pos(row, col)) = v;
-      }
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
-    cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqFull);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tdKrdK);
-    warpgroup_fence_operand(tdVrdV);
-    // this stage's Q/dO are no longer read by any wgmma of this thread's warpgroup
-    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-    if (++stage == Stages) { stage = 0; phase ^= 1; }
-  }
-
-  // ---------------------------------------------------------------- epilogue: dK, dV
-  {
-    Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
-    Tensor tdVcdV = thr_dkv.partition_C(cdV);
-    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
-                  hkv * p.dv_head_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdVrdV); ++i) {
-      const int dim = get<0>(tdVcdV(i)), key = n_block * BN + get<1>(tdVcdV(i));
-      if (key < sq.len_k) dv[int64_t(key) * p.dv_row_stride + dim] = Element(tdVrdV(i));
-    }
-    Tensor cdK = make_identity_tensor(Shape<Int<D>, Int<BN>>{});
-    Tensor tdKcdK = thr_dkv.partition_C(cdK);
-    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
-                  hkv * p.dk_head_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      const int dim = get<0>(tdKcdK(i)), key = n_block * BN + get<1>(tdKcdK(i));
-      if (key < sq.len_k) dk[int64_t(key) * p.dk_row_stride + dim] = Element(tdKrdK(i) * p.softmax_scale);
-    }
+  const CtaWork w{sq, n_block, hkv, b, m_min, n_m, group, off, total_iters};
+  if constexpr (Tr::Swap) {
+    consume_swapped<Tr>(args, ss, w);
+  } else {
+    consume_unswapped<Tr>(args, ss, w);
   }
 }
 

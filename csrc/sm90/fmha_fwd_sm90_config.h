@@ -4,20 +4,27 @@
 template <int kDqk, int kDv>
 struct FmhaFwdSm90Config;
 
+// kBlockNNoMask: the key-block width used without a causal mask (a wider block streams K/V fewer
+// times per FLOP; under a causal mask the diagonal blocks waste more of a wide block, so kBlockN).
+
 // 192/128: 128x128 tile, 2 consumer warpgroups (64 rows each), smem Q 48 + K 2x48 + V 2x32 = 208 KiB.
 template <>
 struct FmhaFwdSm90Config<192, 128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kConsumerWG = 2, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kSched = 0;  // see FwdTraits; 2 (pingpong) is off for d=192 in FA3/FA4
+  static constexpr int kBlockNNoMask = 128;
 };
 
-// 128/128: 128x128, 2 consumer WGs, smem Q 32 + K 2x32 + V 2x32 = 160 KiB.
+// 128/128: 128x128, 2 consumer WGs, smem Q 32 + K 2x32 + V 2x32 = 160 KiB. Without a causal mask
+// 128x176 (FA3's tile): smem Q 32 + K 2x44 + V 2x44 = 208 KiB.
+// Schedules 1 and 2 measured on the H200 (2026-11-30, B=2 H=16 S=8192): within 1% of schedule 0.
 template <>
 struct FmhaFwdSm90Config<128, 128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kConsumerWG = 2, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static constexpr int kSched = 0;  // 2 (pingpong) is FA3's choice here: to be measured
+  static constexpr int kSched = 0;
+  static constexpr int kBlockNNoMask = 176;
 };
 
 // 64/64: 192x128, 3 consumer WGs, smem Q 24 + K 2x16 + V 2x16 = 88 KiB.
@@ -25,5 +32,6 @@ template <>
 struct FmhaFwdSm90Config<64, 64> {
   static constexpr int kBlockM = 192, kBlockN = 128, kConsumerWG = 3, kStages = 2;
   static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
-  static constexpr int kSched = 0;  // 2 (pingpong) is FA3's choice here: to be measured
+  static constexpr int kSched = 0;  // 2 measured +1-2% on the H200 (2026-11-30): within noise
+  static constexpr int kBlockNNoMask = 128;
 };

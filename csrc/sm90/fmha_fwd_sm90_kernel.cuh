@@ -12,6 +12,12 @@
 // One CTA per (head, batch) x M-block; M-blocks are issued longest-first (reverse order) for causal.
 #pragma once
 
+// wgmma N = 176 (the 128/128 unmasked key block) is one of CuTe's "extended" shapes; without this the
+// selector splits it into narrower instructions. Only the fmha_fwd_sm90 TUs include this header.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -42,7 +48,7 @@ using namespace cute;
 //     issue so it overlaps that GEMM (FA3's order).
 //   2 (v2 + pingpong): as 1, and the consumer warpgroups take turns issuing GEMMs (named barriers).
 // Schedules 1 and 2 are opt-in (MLA_FWD_SM90_SCHED=1|2) until measured on the device.
-template <class Element_, int kDqk_, int kDv_, int kSched_>
+template <class Element_, int kDqk_, int kDv_, int kSched_, int kBlockN_ = FmhaFwdSm90Config<kDqk_, kDv_>::kBlockN>
 struct FwdTraits {
   using Element = Element_;
   using Cfg = FmhaFwdSm90Config<kDqk_, kDv_>;
@@ -53,7 +59,7 @@ struct FwdTraits {
   static constexpr bool kPingpong = kSched_ == 2;
   static constexpr bool kKAheadOfV = kSched_ >= 1;
   static constexpr bool kDeferRescale = kSched_ >= 1;
-  static constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
+  static constexpr int kBM = Cfg::kBlockM, kBN = kBlockN_;
   static constexpr int kNWG = Cfg::kConsumerWG, kStages = Cfg::kStages;
   static constexpr int kThreads = 128 * (kNWG + 1);
   static constexpr int kMmaWarps = 4 * kNWG;
@@ -120,38 +126,6 @@ struct FwdTraits {
     GShape shape_q, shape_k, shape_vt;
   };
 };
-
-// ------------------------------------------------------------------------------------------------
-// Issue one warpgroup GEMM (all K slices) as one wgmma batch; does not wait.
-template <bool kARegs, class TiledMma, class TA, class TB, class TC>
-CUTE_DEVICE void wg_gemm(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
-  warpgroup_fence_operand(C);
-  warpgroup_arrive();
-  tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(A); ++kb) {
-    cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
-    tm.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(C);
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
-}
-
-// Convert an fp32 register tensor into a same-sized 16-bit one (vectorized).
-template <class TOut, class TIn>
-CUTE_DEVICE void convert_frag(TIn const& in, TOut& out) {
-  using To = typename TOut::value_type;
-  constexpr int N = decltype(size(in))::value;
-  static_assert(N % 2 == 0);
-  using Conv = cutlass::NumericArrayConverter<To, float, 2, cutlass::FloatRoundStyle::round_to_nearest>;
-  Conv conv;
-  auto const* src = reinterpret_cast<cutlass::Array<float, 2> const*>(raw_pointer_cast(in.data()));
-  auto* dst = reinterpret_cast<cutlass::Array<To, 2>*>(raw_pointer_cast(out.data()));
-  CUTE_UNROLL
-  for (int i = 0; i < N / 2; ++i) dst[i] = conv(src[i]);
-}
 
 // Online softmax state for the rows a thread holds (R rows, quad-shared).
 template <int R>
@@ -457,9 +431,9 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 }
 
 // ------------------------------------------------------------------------------------------------
-template <class Element, int kDqk, int kDv, int kSched>
+template <class Element, int kDqk, int kDv, int kSched, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
 cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stream) {
-  using KT = FwdTraits<Element, kDqk, kDv, kSched>;
+  using KT = FwdTraits<Element, kDqk, kDv, kSched, kBlockN>;
   using GShape = typename KT::GShape;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
   bool const varlen_k = p.cu_seqlens_k != nullptr;
@@ -499,14 +473,20 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stre
   return cudaGetLastError();
 }
 
-// Schedule: the config's default (kSched); MLA_FWD_SM90_SCHED=0|1|2 overrides it (benchmarking).
+// Schedule: the config's default (kSched); MLA_FWD_SM90_SCHED=0|1|2 overrides it (benchmarking) and
+// then also keeps the config's kBlockN for unmasked problems (A/B against kBlockNNoMask).
 template <class Element, int kDqk, int kDv>
 cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, cudaStream_t stream) {
   static int const env = [] {
     char const* e = std::getenv("MLA_FWD_SM90_SCHED");
     return (e != nullptr && e[0] >= '0' && e[0] <= '2') ? e[0] - '0' : -1;
   }();
-  int sched = env < 0 ? FmhaFwdSm90Config<kDqk, kDv>::kSched : env;
+  using Cfg = FmhaFwdSm90Config<kDqk, kDv>;
+  // Unmasked problems take the wider key block where the config has one (default schedule only).
+  if constexpr (Cfg::kBlockNNoMask != Cfg::kBlockN) {
+    if (!p.causal && env < 0) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kSched, Cfg::kBlockNNoMask>(p, stream);
+  }
+  int sched = env < 0 ? Cfg::kSched : env;
   // 64/64 (3 consumer warpgroups, 128-register compile cap) spills 20 bytes under schedule 1: not built.
   if (FmhaFwdSm90Config<kDqk, kDv>::kConsumerWG == 3 && sched == 1) sched = 0;
   switch (sched) {

@@ -1,10 +1,14 @@
 // Shared SM90 attention helpers: per-sequence lengths/offsets, causal block ranges, masks,
-// accumulator layout views and small math. Used by fmha_fwd_sm90 (and usable by fmha_bwd_sm90).
+// accumulator layout views, wgmma issue and small math. Used by fmha_fwd_sm90 and fmha_bwd_sm90.
 // Everything here is header-only device code built on CuTe; no state.
 #pragma once
 
 #include <cstdint>
 #include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
 
 namespace mla_sm90 {
 
@@ -89,6 +93,39 @@ CUTE_HOST_DEVICE constexpr auto acc_to_A_regs(Layout const& l) {
   auto v = logical_divide(get<0>(l), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
   return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(l),
                      make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Issue one warpgroup GEMM (all K slices) as one wgmma batch; does not wait. kARegs: A comes from
+// registers (RS wgmma); its registers must stay unchanged until a warpgroup_wait covers the batch.
+template <bool kARegs, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wg_gemm(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
+  warpgroup_fence_operand(C);
+  warpgroup_arrive();
+  tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(A); ++kb) {
+    cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
+    tm.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(C);
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
+}
+
+// Convert an fp32 register tensor into a same-sized 16-bit one (vectorized).
+template <class TOut, class TIn>
+CUTE_DEVICE void convert_frag(TIn const& in, TOut& out) {
+  using To = typename TOut::value_type;
+  constexpr int N = decltype(size(in))::value;
+  static_assert(N % 2 == 0);
+  using Conv = cutlass::NumericArrayConverter<To, float, 2, cutlass::FloatRoundStyle::round_to_nearest>;
+  Conv conv;
+  auto const* src = reinterpret_cast<cutlass::Array<float, 2> const*>(raw_pointer_cast(in.data()));
+  auto* dst = reinterpret_cast<cutlass::Array<To, 2>*>(raw_pointer_cast(out.data()));
+  CUTE_UNROLL
+  for (int i = 0; i < N / 2; ++i) dst[i] = conv(src[i]);
 }
 
 // ------------------------------------------------------------------------------------------------
