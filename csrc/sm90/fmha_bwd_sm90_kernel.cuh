@@ -30,6 +30,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <climits>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -318,6 +319,10 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
 enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
 constexpr int kDqBarThreads = 256 + 32;
 
+__device__ __forceinline__ void st_shared_u32(const void* smem_ptr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem_ptr)), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                :
@@ -453,7 +458,8 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
       bool valid = kj < sq.len_k;
       if (p.causal) valid = valid && (kj <= qi + off);
       const float lse2 = row == row_a ? lse_a : lse_b;
-      tSrS(i) = valid ? exp2f(tSrS(i) * p.scale_log2 - lse2) : 0.f;
+      // a select, not a branch around the exp: exp2(-inf) = 0
+      tSrS(i) = mla_sm90::fast_exp2(valid ? fmaf(tSrS(i), p.scale_log2, -lse2) : -INFINITY);
     }
     {
       Tensor tPrP = make_tensor_like<Element>(tSrS);
@@ -592,8 +598,12 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
   const int key0 = w.n_block * BN;
   int stage = 0;
   uint32_t phase = 0;
-  for (int it = 0; it < w.total_iters; ++it) {
-    const int m = w.m_min + it % w.n_m;
+  int it = 0;  // step counter over the whole CTA (selects the dS^T buffer)
+
+  // One M-block step. kMask: apply the seq_k bound and the causal diagonal; steps whose block is
+  // entirely visible skip that index math (it costs more issue slots than the exp itself).
+  auto step = [&](int m, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
     const int q0 = m * BM;
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
 
@@ -608,20 +618,24 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     warpgroup_wait<1>();  // S^T done
     warpgroup_fence_operand(tSrS);
 
-    // P^T = exp2(S^T * scale_log2 - lse_log2), 0 outside the sequence and above the causal diagonal.
-    // Query rows past the sequence end have lse_log2 = +inf (preprocess), so their P is 0 as well.
+    // P^T = exp2(S^T * scale_log2 - lse_log2); masked scores become -inf, so P = 0 there without a
+    // branch. Query rows past the sequence end have lse_log2 = +inf (preprocess): P = 0 as well.
     CUTE_UNROLL
     for (int c = 0; c < size<1>(S_rc); c += 2) {
       const int qc = get<1>(cS_rc(0, c));
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + qc);
       CUTE_UNROLL
       for (int r = 0; r < size<0>(S_rc); ++r) {
-        const int key = key0 + get<0>(cS_rc(r, c));
-        const bool in_k = key < sq.len_k;
-        const bool v0 = in_k && (!p.causal || key <= q0 + qc + w.off);
-        const bool v1 = in_k && (!p.causal || key <= q0 + qc + 1 + w.off);
-        S_rc(r, c) = v0 ? exp2f(S_rc(r, c) * p.scale_log2 - l2.x) : 0.f;
-        S_rc(r, c + 1) = v1 ? exp2f(S_rc(r, c + 1) * p.scale_log2 - l2.y) : 0.f;
+        if constexpr (kMask) {
+          const int key = key0 + get<0>(cS_rc(r, c));
+          // key visible to query q iff key < len_k and (!causal or key - off <= q)
+          const int qmin = p.causal ? key - w.off - q0 : INT_MIN;  // smallest visible query column
+          const bool in_k = key < sq.len_k;
+          if (!(in_k && qc >= qmin)) S_rc(r, c) = -INFINITY;
+          if (!(in_k && qc + 1 >= qmin)) S_rc(r, c + 1) = -INFINITY;
+        }
+        S_rc(r, c) = mla_sm90::fast_exp2(fmaf(S_rc(r, c), p.scale_log2, -l2.x));
+        S_rc(r, c + 1) = mla_sm90::fast_exp2(fmaf(S_rc(r, c + 1), p.scale_log2, -l2.y));
       }
     }
     Tensor tPrP = make_tensor<Element>(mla_sm90::acc_to_A_regs(tSrS.layout()));
@@ -642,10 +656,9 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     }
     Tensor tdSr = make_tensor<Element>(mla_sm90::acc_to_A_regs(tdPrdP.layout()));
     mla_sm90::convert_frag(tdPrdP, tdSr);
-    mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, stage), tdKrdK, false);
 
     // dS^T to smem for dQ: adjacent queries are adjacent in smem (a 16-byte swizzle unit keeps
-    // them together), so each pair is one 4-byte store. The C-layout view of the converted
+    // them together), so each pair is one 4-byte st.shared. The C-layout view of the converted
     // registers has the same element order as the accumulator.
     {
       Tensor tdSr_c = make_tensor(tdSr.data(), tdPrdP.layout());
@@ -656,7 +669,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
           cutlass::Array<Element, 2> pair;
           pair[0] = tdSr_c(i);
           pair[1] = tdSr_c(i + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&dst(i)) = pair;
+          st_shared_u32(&dst(i), reinterpret_cast<const uint32_t&>(pair));
         }
       };
       if (it & 1) store_pairs(tdSsdS1); else store_pairs(tdSsdS0);
@@ -664,16 +677,36 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);  // both WGs' keys of dS^T are in smem
 
+    // dQ first, then dK: the dQ smem store overlaps the dK GEMM (FlashAttention-3's order)
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BMt, Dt>{});
     if (it & 1) mla_sm90::wg_gemm<false>(mma_dq, tdQrdS1, tdQrKt, tdQrdQ, true);
     else mla_sm90::wg_gemm<false>(mma_dq, tdQrdS0, tdQrKt, tdQrdQ, true);
-    warpgroup_wait<0>();  // dV, dK, dQ done: P^T/dS^T registers and this stage's Q/dO are free
+    mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, stage), tdKrdK, false);
+    warpgroup_wait<1>();  // dV, dQ done; dK runs during the dQ store
     warpgroup_fence_operand(tdQrdQ);
+    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+    warpgroup_wait<0>();  // P^T/dS^T registers and this stage's Q/dO are free
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);
-    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
     cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
     if (++stage == Stages) { stage = 0; phase ^= 1; }
+    ++it;
+  };
+
+  // Steps that need the mask: every step of a K/V block that crosses seq_k; under a causal mask the
+  // M-blocks holding a query below some key of the block (key - off > query), i.e. m < m_diag_end.
+  const bool kv_tail = key0 + BN > sq.len_k;
+  int m_unmasked = w.m_min;  // first M-block that needs no mask
+  if (kv_tail) {
+    m_unmasked = w.m_min + w.n_m;
+  } else if (p.causal) {
+    const int x = key0 + BN - 1 - w.off;  // a query row q needs no mask iff q >= x
+    m_unmasked = x <= 0 ? 0 : (x + BM - 1) / BM;
+    m_unmasked = max(w.m_min, min(m_unmasked, w.m_min + w.n_m));
+  }
+  for (int g = 0; g < w.group; ++g) {
+    for (int m = w.m_min; m < m_unmasked; ++m) step(m, cute::true_type{});
+    for (int m = m_unmasked; m < w.m_min + w.n_m; ++m) step(m, cute::false_type{});
   }
 
   // ---------------------------------------------------------------- epilogue: dK, dV
