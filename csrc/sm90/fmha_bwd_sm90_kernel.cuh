@@ -339,6 +339,19 @@ struct CtaWork {
   int m_min, n_m;    // M-blocks [m_min, m_min + n_m) of every query head of the group
   int group, off;    // query heads per kv head; causal diagonal offset (Sk - Sq bottom-right, else 0)
   int total_iters;   // group * n_m
+
+  // The first M-block whose steps need no mask; the steps of [m_min, first) need it. All steps of a
+  // K/V block that crosses seq_k do; under a causal mask the M-blocks holding a query that some key
+  // of the block must not see (key - off > query). Rows past seq_q need none (lse_log2 = +inf).
+  template <int BM, int BN>
+  __device__ __forceinline__ int first_unmasked_m(bool causal) const {
+    const int end = m_min + n_m;
+    if ((n_block + 1) * BN > sq.len_k) return end;
+    if (!causal) return m_min;
+    const int x = (n_block + 1) * BN - 1 - off;  // query q needs no mask iff q >= x
+    const int m = x <= 0 ? 0 : (x + BM - 1) / BM;
+    return m < m_min ? m_min : (m > end ? end : m);
+  }
 };
 
 // The fp32 dQ of one M-block (this thread's part of the dQ accumulator, D/2 columns per WG) into the
@@ -429,9 +442,14 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
 
   int stage = 0;
   uint32_t phase = 0;
+  // Steps before m_unmasked (within each query head) apply the seq_k bound and the causal diagonal;
+  // the others skip that index math. (Two compiled copies of the step, as the swapped schedule has,
+  // spill about 900 bytes at d = 192; a uniform branch around the mask loop does not.)
+  const int m_unmasked = w.template first_unmasked_m<BM, BN>(p.causal);
   for (int it = 0; it < total_iters; ++it) {
     const int g = it / n_m, m = m_min + it % n_m;
     const int hq = hkv * group + g;
+    const bool need_mask = m < m_unmasked;
     const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
     // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout). Their lse
     // and dpsum are loaded before the wait and the first GEMMs, which hide the L2 latency; loaded
@@ -449,17 +467,21 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
 
-    // P = exp2(S * scale_log2 - lse_log2), masked to 0
-    const int q0 = m * BM, k0 = n_block * BN;
+    // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first)
+    if (need_mask) {
+      const int q0 = m * BM, k0 = n_block * BN;
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int qi = q0 + get<0>(tScS(i)), kj = k0 + get<1>(tScS(i));
+        const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
+        if (!valid) tSrS(i) = -INFINITY;
+      }
+    }
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
-      const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
-      const int qi = q0 + row, kj = k0 + col;
-      bool valid = kj < sq.len_k;
-      if (p.causal) valid = valid && (kj <= qi + off);
+      const int row = get<0>(tScS(i));
       const float lse2 = row == row_a ? lse_a : lse_b;
-      // a select, not a branch around the exp: exp2(-inf) = 0
-      tSrS(i) = mla_sm90::fast_exp2(valid ? fmaf(tSrS(i), p.scale_log2, -lse2) : -INFINITY);
+      tSrS(i) = mla_sm90::fast_exp2(fmaf(tSrS(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
     }
     {
       Tensor tPrP = make_tensor_like<Element>(tSrS);
@@ -693,17 +715,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     ++it;
   };
 
-  // Steps that need the mask: every step of a K/V block that crosses seq_k; under a causal mask the
-  // M-blocks holding a query below some key of the block (key - off > query), i.e. m < m_diag_end.
-  const bool kv_tail = key0 + BN > sq.len_k;
-  int m_unmasked = w.m_min;  // first M-block that needs no mask
-  if (kv_tail) {
-    m_unmasked = w.m_min + w.n_m;
-  } else if (p.causal) {
-    const int x = key0 + BN - 1 - w.off;  // a query row q needs no mask iff q >= x
-    m_unmasked = x <= 0 ? 0 : (x + BM - 1) / BM;
-    m_unmasked = max(w.m_min, min(m_unmasked, w.m_min + w.n_m));
-  }
+  const int m_unmasked = w.template first_unmasked_m<BM, BN>(p.causal);
   for (int g = 0; g < w.group; ++g) {
     for (int m = w.m_min; m < m_unmasked; ++m) step(m, cute::true_type{});
     for (int m = m_unmasked; m < w.m_min + w.n_m; ++m) step(m, cute::false_type{});
