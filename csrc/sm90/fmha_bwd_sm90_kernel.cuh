@@ -354,6 +354,18 @@ struct CtaWork {
   }
 };
 
+// The smem operand tensors: Q, dO (stages), K, V, and the transposed views Q^T, dO^T, K^T.
+template <class Tr>
+__device__ __forceinline__ auto smem_operands(typename Tr::SharedStorage& ss) {
+  return cute::make_tuple(make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{}),
+                          make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{}),
+                          make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{}),
+                          make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{}),
+                          make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{}),
+                          make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{}),
+                          make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{}));
+}
+
 // The fp32 dQ of one M-block (this thread's part of the dQ accumulator, D/2 columns per WG) into the
 // smem block the reducer warp adds to dq_accum: waits until the previous block has been read, stores
 // 16 bytes at a time in the dq_store_pos layout, fences for the bulk copy's async proxy, signals.
@@ -394,14 +406,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   const int tidx = threadIdx.x - 128;  // 0..255
   const int cwg = tidx / 128;          // consumer warpgroup 0/1
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-
-  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  auto [sQ, sdO, sK, sV, sQt, sdOt, sKt] = smem_operands<Tr>(ss);
   Tensor sPt = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
   Tensor sP = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutP{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
@@ -569,13 +574,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
   const Seq& sq = w.sq;
   const int tidx = threadIdx.x - 128;  // 0..255
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  auto [sQ, sdO, sK, sV, sQt, sdOt, sKt] = smem_operands<Tr>(ss);
   // dS^T buffers (keys x queries, queries contiguous) and their (queries x keys) views for dQ
   Tensor sdSt0 = make_tensor(make_smem_ptr(ss.dst.data()), typename Tr::SmemLayoutPt{});
   Tensor sdSt1 = make_tensor(make_smem_ptr(ss.pt.data()), typename Tr::SmemLayoutPt{});
@@ -780,10 +779,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   }
   __syncthreads();
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  auto [sQ, sdO, sK, sV, sQt, sdOt, sKt] = smem_operands<Tr>(ss);
+  (void)sQt; (void)sdOt; (void)sKt;
 
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
