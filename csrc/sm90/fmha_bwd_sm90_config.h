@@ -2,11 +2,12 @@
 //
 // One CTA owns one K/V block of kBlockN keys of one kv head and loops over the query heads of its
 // GQA group and over M-blocks of kBlockM queries. 3 warpgroups: WG0 = producer (one thread issues
-// TMA), WG1/WG2 = consumers. Every GEMM is a warpgroup wgmma with both operands in smem; the two
-// consumer warpgroups split the N dimension of every GEMM:
+// TMA and, in warp 1, adds each M-block's dQ to the fp32 workspace with one bulk reduce), WG1/WG2 =
+// consumers. Unswapped (kSwapSdP false): every GEMM is a warpgroup wgmma with both operands in smem;
+// the two consumer warpgroups split the N dimension of every GEMM:
 //   S   = Q K^T      (BM x BN,  K = D)      dP  = dO V^T     (BM x BN, K = DV)
 //   dV^T += dO^T P   (DV x BN, K = BM)      dK^T += Q^T dS   (D x BN,  K = BM)
-//   dQ  = dS K       (BM x D,  K = BN)  -> fp32 atomics into a workspace, converted by a postprocess
+//   dQ  = dS K       (BM x D,  K = BN)  -> fp32 smem block -> bulk reduce-add, converted by a postprocess
 // P and dS go through smem (stored transposed, keys-major); dK/dV live in registers until the end.
 //
 // kSwapSdP (d <= 128, FlashAttention-3's choice there): S^T = K Q^T and dP^T = V dO^T instead, with
