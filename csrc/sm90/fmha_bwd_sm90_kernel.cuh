@@ -516,7 +516,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
 
-    // dQ = dS K ; dK^T += Q^T dS. The dQ atomics below overlap the dK^T GEMM.
+    // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
     mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
     mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, false);
