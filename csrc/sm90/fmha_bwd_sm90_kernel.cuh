@@ -323,6 +323,12 @@ __device__ __forceinline__ void st_shared_u32(const void* smem_ptr, uint32_t v) 
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem_ptr)), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_shared_v4(const float* smem_ptr, float4 v) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(cute::cast_smem_ptr_to_uint(smem_ptr)), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                :
@@ -385,7 +391,7 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
                              tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
                              tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
                              tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
-      *reinterpret_cast<float4*>(sdq + row * D + dq_store_pos(row, col)) = v;
+      st_shared_v4(sdq + row * D + dq_store_pos(row, col), v);  // 16-byte aligned: 4 | dq_store_pos
     }
   }
   cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
@@ -430,8 +436,12 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
 
-  Tensor tPsP = thr_sdp.partition_C(sP);
-  Tensor tdSsdS = thr_sdp.partition_C(sdS);
+  // P and dS leave the accumulators through transposing stmatrix (8x8 blocks of 16-bit values, one
+  // 16-byte smem row per key): the P^T/dS^T buffers are keys-major with the queries contiguous.
+  auto r2s_pds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  auto thr_r2s = r2s_pds.get_thread_slice(tidx);
+  Tensor tPsP = thr_r2s.partition_D(sP);
+  Tensor tdSsdS = thr_r2s.partition_D(sdS);
 
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
@@ -492,7 +502,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
       Tensor tPrP = make_tensor_like<Element>(tSrS);
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tPrP(i) = Element(tSrS(i));
-      copy(tPrP, tPsP);
+      copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
@@ -512,7 +522,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     for (int i = 0; i < size(tSrS); ++i) tdSrdS(i) = Element(tSrS(i));
     // the other WG's dQ GEMM of the previous step must be done reading dS
     cutlass::arch::NamedBarrier::sync(256, kBardSFree);
-    copy(tdSrdS, tdSsdS);
+    copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
 
