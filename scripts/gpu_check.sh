@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET), GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1,
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, EXAMPLE_BUDGET, EXAMPLE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,8 +114,8 @@ if [ "$MODE" != "--tests-only" ]; then
   timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
   say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
   if [ -n "${DECODE_BENCH:-}" ]; then
-    timeout 120 python3 bench/bench_decode.py >"$WORK/bench_decode.log" 2>&1; say "bench_decode rc=$?"
-    tail -n 12 "$WORK/bench_decode.log" >>"$summary"
+    timeout "${DECODE_BUDGET:-120}" python3 bench/bench_decode.py ${DECODE_ARGS:-} >"$WORK/bench_decode.log" 2>&1; say "bench_decode rc=$?"
+    sed -n '/^mla_decode_sm80 on/,$p' "$WORK/bench_decode.log" | tee -a "$summary"
   fi
   timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
   say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"

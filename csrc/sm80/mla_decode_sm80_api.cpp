@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <string>
 
@@ -23,7 +24,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 struct DevInfo { int major = 0, sms = 0, smem_optin = 0, smem_per_sm = 0; };
 
 // Tuning overrides for benchmarks (0 = automatic): cp.async stages, CTAs per SM, largest m-tile.
-int g_tune_stages = 0, g_tune_ctas = 0, g_tune_max_mtile = 0, g_tune_split_loaders = -1, g_tune_qk_narrow = -1;
+int g_tune_stages = 0, g_tune_ctas = 0, g_tune_max_mtile = 0, g_tune_split_loaders = -1, g_tune_qk_narrow = -1, g_tune_ws = -1;
 
 // "(d0, d1, ...)" without streaming an IntArrayRef.
 std::string shape_str(const at::Tensor& t) {
@@ -123,7 +124,18 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
     const int s2 = mds::max_stages_for(m_tile, per_cta);
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
   }
-  if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
+  // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
+  // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
+  const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, prop.smem_optin) : 0;
+  const bool strides32 = std::max({ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1)}) <= INT32_MAX;
+  const bool ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && strides32 && g_tune_ws != 0;
+  if (ws) {
+    ctas = 1;
+    stages = ws_stages;
+    if (g_tune_stages > 0) stages = std::max(mds::WsTileConfig<16>::kMinStages, std::min(stages, g_tune_stages));
+  } else if (g_tune_stages > 0) {
+    stages = std::min(stages, g_tune_stages);
+  }
   MLA_CHECK(stages >= mds::kMinStages, "decode: not enough shared memory per block (",
               prop.smem_optin, " B) for the m_tile ", m_tile, " kernel");
   const int num_sms = prop.sms;
@@ -159,7 +171,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.page_size = int(page_size);
   int lg = 0; while ((int64_t(1) << lg) < page_size) ++lg;
   p.log2_page = lg;
-  p.num_mblocks = num_mblocks; p.stages = stages;
+  p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
   // 16-row tiles: the four warps that sit out the QK phase issue the KV loads (auto: on).
   p.split_loaders = g_tune_split_loaders >= 0 ? g_tune_split_loaders : 1;
   // 64-row tiles: 4 QK warps + 4 loader warps during the QK phase (auto: on).
@@ -190,7 +202,8 @@ void decode_splits(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::T
   decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits);
 }
 
-void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow) {
+void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
+                int64_t ws) {
   MLA_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
               mds::kMinStages, ", ", mds::kMaxStages, "]");
   MLA_CHECK(ctas_per_sm >= 0 && ctas_per_sm <= 2, "set_tuning: ctas_per_sm must be 0, 1 or 2");
@@ -200,6 +213,8 @@ void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t
   MLA_CHECK(qk_narrow >= -1 && qk_narrow <= 1, "set_tuning: qk_narrow must be -1 (auto), 0 or 1");
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);
+  MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
+  g_tune_ws = int(ws);
 }
 
 }  // namespace
@@ -215,5 +230,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_splits"));
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
-        py::arg("qk_narrow") = -1);
+        py::arg("qk_narrow") = -1, py::arg("ws") = -1);
 }

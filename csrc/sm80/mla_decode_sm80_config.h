@@ -43,4 +43,35 @@ struct TileConfig {
   }
 };
 
+// Warp-specialized variant for 16/32-row tiles (H * Sq <= 32: the memory-bound decode), one CTA per SM.
+// Warps 0-3 issue the KV loads and compute S = Q K^T, each over a 144-dim slice of the 576-dim contraction
+// with its Q fragments held in registers (K read from smem once per tile, Q never), then the online
+// softmax; warps 4-7 compute O += P V on 128 output dims each. P is double-buffered, so QK/softmax of
+// tile j+1 overlaps PV of tile j. S stages keep S-2 tiles in flight beyond the two being computed.
+template <int M_TILE>
+struct WsTileConfig {
+  static_assert(M_TILE == 16 || M_TILE == 32, "the warp-specialized kernel takes 16- or 32-row tiles");
+  static constexpr int kMTiles = M_TILE / 16;
+  static constexpr int kQKWarps = 4;                   // loads, S = Q K^T, softmax
+  static constexpr int kPVWarps = kWarps - kQKWarps;   // O += P V
+  static constexpr int kQKThreads = kQKWarps * 32;
+  static constexpr int kKSlice = kDimQK / kQKWarps;    // 144 contraction dims per QK warp
+  static constexpr int kKSteps = kKSlice / 16;         // 9 mma k-steps
+  static constexpr int kSStride = kBlockN + 8;         // fp32 partial-S row stride: conflict-free float2 stores
+  static constexpr int kTPR = kQKThreads / M_TILE;     // softmax threads per row: 8 or 4
+  static constexpr int kEPT = kBlockN / kTPR;          // softmax elements per thread: 4 or 8
+  static constexpr int kPVCols = kDimCkv / kPVWarps;   // 128 output dims per PV warp
+  static constexpr int kPVNTiles = kPVCols / 8;
+  static constexpr int kMinStages = 3;                 // at least one tile in flight beyond the two in use
+  static_assert(kKSlice % 16 == 0 && kEPT % 4 == 0, "tile shape");
+
+  static constexpr int smem_bytes(int stages) {
+    return stages * kBlockN * kRowBytes               // KV stages
+         + kQKWarps * M_TILE * kSStride * 4           // partial S of each QK warp
+         + 2 * M_TILE * kPStride * 2                  // P, double-buffered (16-bit)
+         + 2 * M_TILE * 4 + M_TILE * 4                // alpha per buffer, 1/l per row
+         + kPageRing * kBlockN * 4;                   // page-id ring
+  }
+};
+
 }  // namespace mla_decode_sm80

@@ -1,8 +1,8 @@
-// bf16 instantiations of the MLA decode kernel.
-#include "sm80/mla_decode_sm80_kernel.cuh"
+// bf16 instantiations of the MLA decode kernels (all-warps and warp-specialized).
+#include "sm80/mla_decode_sm80_ws_kernel.cuh"
 
 namespace mla_decode_sm80 {
 void launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream) {
-  launch_decode_typed<__nv_bfloat16>(p, m_tile, stream);
+  launch_decode_any<__nv_bfloat16>(p, m_tile, stream);
 }
 }  // namespace mla_decode_sm80

@@ -101,4 +101,13 @@ int max_stages_for(int m_tile, int smem_optin) {
   return best;  // 0: does not fit
 }
 
+int ws_max_stages_for(int m_tile, int smem_optin) {
+  int best = 0;
+  for (int s = WsTileConfig<16>::kMinStages; s <= kMaxStages; ++s) {
+    const int bytes = m_tile <= 16 ? WsTileConfig<16>::smem_bytes(s) : WsTileConfig<32>::smem_bytes(s);
+    if (bytes <= smem_optin) best = s;
+  }
+  return best;
+}
+
 }  // namespace mla_decode_sm80

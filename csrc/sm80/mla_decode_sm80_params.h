@@ -45,6 +45,7 @@ struct DecodeParams {
   int stages;        // cp.async stages (run time, 2..kMaxStages)
   int qk_narrow;     // 1: 64-row tiles use the 4-warp QK layout (TileConfig<64, true>)
   int split_loaders; // 1: only the warps idle during QK issue the KV cp.async (16-row tiles)
+  int ws;            // 1: the warp-specialized kernel (WsTileConfig; 16/32-row tiles, one CTA per SM)
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
 };
@@ -54,6 +55,7 @@ void launch_metadata(const DecodeParams& p, cudaStream_t stream);
 void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
 void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream);
 int max_stages_for(int m_tile, int smem_optin);
+int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);
 
 }  // namespace mla_decode_sm80

@@ -152,17 +152,19 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
               causal=True, seed=11)
 
 
-@pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1), (2, 1, 0, 0, 0), (0, 2, 32, 0, 0), (0, 1, 16, 1, 0), (3, 1, 0, 0, 1)],
+@pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
+                                  (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1)],
                          ids=str)
 def test_decode_launch_variants(ext, tune):
-    # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows)
+    # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows,
+    # warp-specialized kernel for 16/32-row tiles); the m-tile caps put the warp-specialized kernel on 128 heads too
     ext.set_tuning(*tune)
     try:
         for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
             _run_case(ext, lens=[4097, 0, 17, 1000, 1], H=H, Sq=Sq, page_size=16, dtype=torch.bfloat16, fused=True,
                       causal=causal, seed=H + Sq)
     finally:
-        ext.set_tuning(0, 0, 0, -1, -1)
+        ext.set_tuning(0, 0, 0, -1, -1, -1)
 
 
 def test_decode_odd_heads_and_sq(ext):

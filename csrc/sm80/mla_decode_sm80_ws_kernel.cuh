@@ -1,0 +1,411 @@
+// Warp-specialized MLA decode for 16/32-row tiles (H * Sq <= 32), SM80 style (mma.sync m16n8k16,
+// cp.async with zero fill, ldmatrix, XOR-swizzled smem); built for sm_80 and sm_90. One CTA per SM.
+//
+// Why a second kernel: the 16-row case is memory-bound, and the all-warps kernel (mla_decode_kernel) spent
+// ~6800 issued warp-instructions per 32-token tile (ncu on the H200: IPC 2.25, 54% of issue slots), with the
+// QK, softmax and PV phases of a tile strictly in sequence. Here
+//   - warps 0-3 ("QK warps") issue all KV loads and compute S = Q K^T, each over a 144-dim slice of the
+//     576-dim contraction with its Q fragments in registers (36 or 72 registers), so K is read from smem
+//     once per tile and Q never; the four partial S tiles meet in smem, then the same warps run the online
+//     softmax (one row per 8 or 4 threads) and publish P and the row rescale factors;
+//   - warps 4-7 ("PV warps") compute O = O * alpha + P V on 128 of the 512 output dims each;
+//   - P and alpha are double-buffered, so the QK warps compute tile j+1 while the PV warps finish tile j.
+// Named barriers (ids 1-6) carry the hand-offs; there is no __syncthreads in the loop.
+// Pipeline: S stages; at tile j the QK warps, after PV(j-2) has released its buffer, issue tile j+S-2, so
+// S-2 tiles are in flight beside the two being computed. Page ids are staged in a smem ring D = 2S-4 tiles
+// ahead, fetched in the same commit groups (see the proof of distances in load order below).
+#pragma once
+
+#include "sm80/mla_decode_sm80_kernel.cuh"
+
+namespace mla_decode_sm80 {
+
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+
+// Named barrier ids (0 is __syncthreads).
+enum WsBarrier : int {
+  kBarQK = 1,        // the 128 QK threads among themselves
+  kBarPFull = 2,     // + buffer (2, 3): P(j), alpha(j) written (QK arrive, PV sync)
+  kBarPEmpty = 4,    // + buffer (4, 5): PV(j) done with P(j) and KV stage j (PV arrive, QK sync)
+  kBarFinal = 6,     // 1/l of every row written (QK arrive, PV sync)
+};
+
+template <typename Elem, int M_TILE>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const DecodeParams p) {
+  using Cfg = WsTileConfig<M_TILE>;
+  constexpr int MT = Cfg::kMTiles, KS = Cfg::kKSteps, TPR = Cfg::kTPR, EPT = Cfg::kEPT, PVN = Cfg::kPVNTiles;
+
+  const int item = blockIdx.y;
+  const int mblock = blockIdx.x;
+  const int b = p.sched_items[item * 4 + 0];
+  if (b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
+  const int kv_begin = p.sched_items[item * 4 + 2];
+  const int kv_end = p.sched_items[item * 4 + 3];
+  const int L = p.seqlens[b];
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
+  const int stages = p.stages;
+  const int rows_total = p.Sq * p.H;
+  const int row0 = mblock * M_TILE;
+  const bool final_out = p.sched_reqs[b * 2 + 1] == 1;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sKV = smem;
+  float* sS = reinterpret_cast<float*>(sKV + stages * kBlockN * kRowBytes);      // [4][M_TILE][kSStride]
+  uint8_t* sP = reinterpret_cast<uint8_t*>(sS + Cfg::kQKWarps * M_TILE * Cfg::kSStride);  // [2][M_TILE][kPStride]
+  float* sAlpha = reinterpret_cast<float*>(sP + 2 * M_TILE * kPStride * 2);     // [2][M_TILE]
+  float* sInvL = sAlpha + 2 * M_TILE;                                           // [M_TILE]
+  int* sPage = reinterpret_cast<int*>(sInvL + M_TILE);                          // [kPageRing][kBlockN]
+  const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
+  const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
+  const uint32_t sPage_a = static_cast<uint32_t>(__cvta_generic_to_shared(sPage));
+  constexpr uint32_t kTileBytes = kBlockN * kRowBytes;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+
+  if (warp < Cfg::kQKWarps) {
+    // =============================================================== QK warps: loads, S, softmax
+    const int* bt = p.block_table + int64_t(b) * p.bt_stride_b;
+    const int page_mask = p.page_size - 1;
+    const int log2_page = p.log2_page;
+    const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
+    const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
+    // Load order: the prologue commits one group per tile 0..S-3; iteration j commits one group with KV
+    // tile j+S-2 and the page ids of tile j+D. Group number n therefore holds KV tile n, and at iteration j
+    // (S-2+j groups committed) wait_group(S-3) completes tile j. The page ids of tile j+D land with group
+    // S-2+j, i.e. by iteration j+S-2, which is exactly when KV tile j+D-(S-2) = j+S-2 is issued.
+    const int D = 2 * stages - 4;
+
+    // page ids of tiles [0, D) with plain loads; later tiles arrive by cp.async
+    for (int idx = tid; idx < D * kBlockN; idx += Cfg::kQKThreads) {
+      const int t = idx / kBlockN, r = idx % kBlockN;
+      const int tok = kv_begin + t * kBlockN + r;
+      sPage[(t % kPageRing) * kBlockN + r] = (t < n_tiles && tok < kv_end) ? __ldg(bt + (tok >> log2_page)) : 0;
+    }
+
+    // Q fragments (A operand of m16n8k16: rows g and g+8, columns 2*q4 + {0, 1, 8, 9} of each k-step) of
+    // this warp's 144-dim slice; rows past Sq*H are zero.
+    uint32_t qf[MT][KS][4];
+    {
+      const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
+      const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
+      auto q_pair = [&](int grow, int col) -> uint32_t {
+        if (grow >= rows_total) return 0u;
+        const int t = grow / p.H, h = grow - t * p.H;
+        const Elem* src = col < kDimCkv
+            ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + col
+            : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (col - kDimCkv);
+        return __ldg(reinterpret_cast<const unsigned int*>(src));
+      };
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          const int r = row0 + mt * 16 + g;
+          const int col = warp * Cfg::kKSlice + ks * 16 + 2 * q4;
+          qf[mt][ks][0] = q_pair(r, col);
+          qf[mt][ks][1] = q_pair(r + 8, col);
+          qf[mt][ks][2] = q_pair(r, col + 8);
+          qf[mt][ks][3] = q_pair(r + 8, col + 8);
+        }
+    }
+    named_bar_sync(kBarQK, Cfg::kQKThreads);  // prologue page ids visible
+
+    // KV tile loader (128 threads): warp w takes rows w, w+4, ..., each as two 512-byte ckv halves (a
+    // warp instruction covers 512 contiguous bytes) and, 8 rows per instruction, the 128-byte kpe rows.
+    // The per-row cost is what matters here (it sits on the QK warps' critical path): strides are 32-bit
+    // (the host checks), the lane's column offset is folded into its base pointers, and the swizzled smem
+    // column of each copy is one of two per-lane constants (row % 8 alternates between w and w + 4).
+    // Rows past the range are zero-filled; their page-ring entry is 0, so the unused address is in bounds.
+    const uint32_t ckv_sp = uint32_t(p.ckv_stride_page), ckv_sr = uint32_t(p.ckv_stride_row);
+    const uint32_t kpe_sp = uint32_t(p.kpe_stride_page), kpe_sr = uint32_t(p.kpe_stride_row);
+    // element offset of a cache row: one 32 x 32 -> 64-bit multiply-add (page ids are >= 0)
+    auto row_off = [&](int page, int tok, uint32_t sp, uint32_t sr) -> uint64_t {
+      return uint64_t(uint32_t(page)) * sp + uint32_t(tok & page_mask) * sr;
+    };
+    const Elem* ckv_lane = ckv + lane * 8;
+    const Elem* kpe_lane = kpe + (lane & 7) * 8;
+    const uint32_t col_a0 = swz(warp, lane * 8) - warp * kRowBytes;
+    const uint32_t col_a1 = swz(warp, 256 + lane * 8) - warp * kRowBytes;
+    const uint32_t col_b0 = swz(warp + 4, lane * 8) - (warp + 4) * kRowBytes;
+    const uint32_t col_b1 = swz(warp + 4, 256 + lane * 8) - (warp + 4) * kRowBytes;
+    const int kpe_row = warp + Cfg::kQKWarps * (lane >> 3);             // + 16 k: same row % 8
+    const uint32_t kpe_dst = swz(kpe_row, kDimCkv + (lane & 7) * 8);
+    auto load_kv = [&](int tile) {
+      const uint32_t dst = sKV_a + (tile % stages) * kTileBytes;
+      const int* pid = sPage + (tile % kPageRing) * kBlockN;
+      const int tok0 = kv_begin + tile * kBlockN;
+#pragma unroll
+      for (int k = 0; k < kBlockN / Cfg::kQKWarps; ++k) {
+        const int r = warp + Cfg::kQKWarps * k;
+        const int tok = tok0 + r;
+        const Elem* src = ckv_lane + row_off(pid[r], tok, ckv_sp, ckv_sr);
+        const uint32_t d = dst + r * kRowBytes;
+        cp_async16(d + ((k & 1) ? col_b0 : col_a0), src, tok < kv_end);
+        cp_async16(d + ((k & 1) ? col_b1 : col_a1), src + 256, tok < kv_end);
+      }
+#pragma unroll
+      for (int k = 0; k < kBlockN / 16; ++k) {
+        const int r = kpe_row + 16 * k;
+        const int tok = tok0 + r;
+        const Elem* src = kpe_lane + row_off(pid[r], tok, kpe_sp, kpe_sr);
+        cp_async16(dst + kpe_dst + 16 * k * kRowBytes, src, tok < kv_end);
+      }
+    };
+    auto load_pages = [&](int tile) {
+      if (tid < kBlockN) {
+        const int tok = kv_begin + tile * kBlockN + tid;
+        const bool ok = tok < kv_end;
+        cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4,
+                  ok ? static_cast<const void*>(bt + (tok >> log2_page)) : static_cast<const void*>(bt), ok);
+      }
+    };
+    for (int s = 0; s < stages - 2; ++s) {
+      if (s < n_tiles) load_kv(s);
+      cp_async_commit();
+    }
+
+    // softmax ownership: row sr, columns [sc0, sc0 + EPT) of each tile
+    const int sr = tid / TPR;
+    const int sc0 = (tid % TPR) * EPT;
+    int lim;  // last visible KV position of row sr (-1: padding row)
+    {
+      const int grow = row0 + sr;
+      lim = kv_end - 1;
+      if (p.causal) lim = min(lim, L - p.Sq + grow / p.H);  // token t sees positions <= L - Sq + t
+      if (grow >= rows_total) lim = -1;
+    }
+    float m_run = -INFINITY, l_part = 0.f;
+
+    // ldmatrix source of K for this warp's slice: rows (lane & 7) + 8 * bit4 (+16 for the second n pair),
+    // chunk 18 * warp + 2 * ks + bit3; the swizzle depends on row % 8 = lane % 8 only.
+    const int krow = (lane & 7) + ((lane >> 4) & 1) * 8;
+    const int kcol = warp * Cfg::kKSlice + ((lane >> 3) & 1) * 8;
+
+    for (int j = 0; j < n_tiles; ++j) {
+      cp_async_wait_dyn(stages - 3);
+      named_bar_sync(kBarQK, Cfg::kQKThreads);  // tile j landed for all QK threads; sS free again
+      const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
+      const int tok0 = kv_begin + j * kBlockN;
+
+      // two accumulator sets (even / odd k-steps): 8 * MT independent mma chains of <= 5, not 4 * MT of 9
+      float acc[MT][4][4], acc2[MT][4][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = acc2[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t a0 = kv_a + swz(krow, kcol + ks * 16);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t bb[4];
+          ldsm_x4(a0 + np * 16 * kRowBytes, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            float (&c0)[4] = (ks & 1) ? acc2[mt][2 * np] : acc[mt][2 * np];
+            float (&c1)[4] = (ks & 1) ? acc2[mt][2 * np + 1] : acc[mt][2 * np + 1];
+            mma16816<Elem>(c0, qf[mt][ks], bb[0], bb[1]);
+            mma16816<Elem>(c1, qf[mt][ks], bb[2], bb[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += acc2[mt][nt][e];
+      {
+        float* mine = sS + warp * M_TILE * Cfg::kSStride;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const int r = mt * 16 + g, c = nt * 8 + 2 * q4;
+            *reinterpret_cast<float2*>(mine + r * Cfg::kSStride + c) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+            *reinterpret_cast<float2*>(mine + (r + 8) * Cfg::kSStride + c) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+          }
+      }
+      named_bar_sync(kBarQK, Cfg::kQKThreads);  // the four partial S tiles visible
+
+      // ---- online softmax of row sr, columns [sc0, sc0 + EPT) ----
+      float s[EPT];
+#pragma unroll
+      for (int e4 = 0; e4 < EPT; e4 += 4) {
+        float4 v = *reinterpret_cast<const float4*>(sS + sr * Cfg::kSStride + sc0 + e4);
+#pragma unroll
+        for (int w = 1; w < Cfg::kQKWarps; ++w) {
+          const float4 u = *reinterpret_cast<const float4*>(sS + (w * M_TILE + sr) * Cfg::kSStride + sc0 + e4);
+          v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+        }
+        s[e4 + 0] = v.x; s[e4 + 1] = v.y; s[e4 + 2] = v.z; s[e4 + 3] = v.w;
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        s[e] = (tok0 + sc0 + e <= lim) ? s[e] * p.scale_log2 : -INFINITY;
+        mx = fmaxf(mx, s[e]);
+      }
+#pragma unroll
+      for (int off = 1; off < TPR; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_run, mx);
+      const float mu = (m_new == -INFINITY) ? 0.f : m_new;
+      const float alpha = fast_exp2(m_run - mu);  // exp2(-inf) = 0
+      m_run = m_new;
+      uint32_t pk[EPT / 2];
+      float rs = 0.f;
+#pragma unroll
+      for (int e = 0; e < EPT; e += 2) {
+        const float p0 = fast_exp2(s[e] - mu), p1 = fast_exp2(s[e + 1] - mu);
+        rs += p0 + p1;
+        pk[e / 2] = pack2<Elem>(p0, p1);
+      }
+      l_part = l_part * alpha + rs;
+
+      // ---- hand P(j) to the PV warps: buffer j % 2 is free once PV(j-2) is done ----
+      const int pb = j & 1;
+      if (j >= 2) named_bar_sync(kBarPEmpty + pb, kThreads);
+      uint8_t* prow = sP + (pb * M_TILE * kPStride + sr * kPStride + sc0) * 2;
+      if constexpr (EPT == 4) *reinterpret_cast<uint2*>(prow) = make_uint2(pk[0], pk[1]);
+      else *reinterpret_cast<uint4*>(prow) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      if (tid % TPR == 0) sAlpha[pb * M_TILE + sr] = alpha;
+      named_bar_arrive(kBarPFull + pb, kThreads);
+
+      // ---- next loads: KV tile j+S-2 into the stage PV(j-2) released, page ids of tile j+D ----
+      if (j + stages - 2 < n_tiles) load_kv(j + stages - 2);
+      if (j + D < n_tiles) load_pages(j + D);
+      cp_async_commit();
+    }
+    cp_async_wait_dyn(0);
+
+    // ---- row sums, 1/l for the PV warps, LSE ----
+#pragma unroll
+    for (int off = 1; off < TPR; off <<= 1) l_part += __shfl_xor_sync(0xffffffffu, l_part, off);
+    if (tid % TPR == 0) {
+      const bool empty = !(l_part > 0.f);
+      sInvL[sr] = empty ? 0.f : 1.f / l_part;
+      const int grow = row0 + sr;
+      if (grow < rows_total) {
+        const float lse2 = empty ? -INFINITY : m_run + __log2f(l_part);
+        const int t = grow / p.H, h = grow - t * p.H;
+        constexpr float kLn2 = 0.6931471805599453f;
+        if (final_out) p.lse[int64_t(b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
+        else p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
+      }
+    }
+    named_bar_arrive(kBarFinal, kThreads);
+  } else {
+    // =============================================================== PV warps: O = O * alpha + P V
+    const int pw = warp - Cfg::kQKWarps;
+    float o[MT][PVN][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < PVN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+    // ldmatrix.trans source of V: rows ks*16 + (lane & 7) + 8 * bit3, columns pw*128 + np*16 + 8 * bit4
+    const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int vcol = pw * Cfg::kPVCols + (lane >> 4) * 8;
+
+    for (int j = 0; j < n_tiles; ++j) {
+      const int pb = j & 1;
+      named_bar_sync(kBarPFull + pb, kThreads);  // P(j), alpha(j) and (through the QK warps' waits) KV tile j
+      const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float a_lo = sAlpha[pb * M_TILE + mt * 16 + g], a_hi = sAlpha[pb * M_TILE + mt * 16 + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < PVN; ++nt) {
+          o[mt][nt][0] *= a_lo; o[mt][nt][1] *= a_lo;
+          o[mt][nt][2] *= a_hi; o[mt][nt][3] *= a_hi;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldsm_x4(sP_a + ((pb * M_TILE + mt * 16 + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+#pragma unroll
+        for (int np = 0; np < PVN / 2; ++np) {
+          uint32_t bb[4];
+          ldsm_x4_t(kv_a + swz(ks * 16 + vrow, vcol + np * 16), bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816<Elem>(o[mt][2 * np], a[mt], bb[0], bb[1]);
+            mma16816<Elem>(o[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+          }
+        }
+      }
+      if (j + 2 < n_tiles) named_bar_arrive(kBarPEmpty + pb, kThreads);  // matched by the QK sync at j+2
+    }
+    named_bar_sync(kBarFinal, kThreads);
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = mt * 16 + g + hh * 8;
+        const int grow = row0 + row;
+        if (grow >= rows_total) continue;
+        const float inv = sInvL[row];
+        const int t = grow / p.H, h = grow - t * p.H;
+        if (final_out) {
+          Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
+#pragma unroll
+          for (int nt = 0; nt < PVN; ++nt) {
+            const int col = pw * Cfg::kPVCols + nt * 8 + 2 * q4;
+            *reinterpret_cast<uint32_t*>(out + col) = pack2<Elem>(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
+          }
+        } else {
+          float* wo = p.ws_o + (int64_t(item) * rows_total + grow) * kDimCkv;
+#pragma unroll
+          for (int nt = 0; nt < PVN; ++nt) {
+            const int col = pw * Cfg::kPVCols + nt * 8 + 2 * q4;
+            *reinterpret_cast<float2*>(wo + col) = make_float2(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename Elem, int M_TILE>
+void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
+  auto kernel = mla_decode_ws_kernel<Elem, M_TILE>;
+  const int smem = WsTileConfig<M_TILE>::smem_bytes(p.stages);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
+  dim3 grid(p.num_mblocks, p.num_items);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+}
+
+}  // namespace mla_decode_sm80
+
+namespace mla_decode_sm80 {
+
+// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the
+// all-warps kernel.
+template <typename Elem>
+void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
+  if (p.ws) {
+    if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
+    else launch_decode_ws_tile<Elem, 32>(p, stream);
+    return;
+  }
+  launch_decode_typed<Elem>(p, m_tile, stream);
+}
+
+}  // namespace mla_decode_sm80
