@@ -27,6 +27,7 @@
 #endif
 
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -764,7 +765,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   SS& ss = *reinterpret_cast<SS*>(smem_raw);
   const FmhaBwdSm90Params& p = args.p;
 
-  const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
+  int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
+  if (p.heavy_first) {
+    // Causal: a K/V block's work falls with its index, so enumerate blocks outermost (all heads and
+    // batches of block 0 first): the longest CTAs start first and the last wave holds only short ones.
+    // Deterministic mode needs block n-1's dQ adds before block n's: still dispatched earlier.
+    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int hb = gridDim.y * gridDim.z;
+    n_block = lin / hb;
+    const int r = lin - n_block * hb;
+    hkv = r % gridDim.y;
+    b = r / gridDim.y;
+  }
   const Seq sq = get_seq<BM>(p, b);
   if (n_block * BN >= sq.len_k) return;  // whole CTA, before any barrier
   const int off = p.bottom_right ? sq.len_k - sq.len_q : 0;
@@ -919,6 +931,13 @@ void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
 
   MainArgs<Tr> args{};
   args.p = p;
+  // Causal problems enumerate K/V blocks outermost (heavy first); MLA_BWD_SM90_ORDER=0 keeps the plain
+  // order (benchmark A/B).
+  static const bool order_env_plain = [] {
+    const char* e = std::getenv("MLA_BWD_SM90_ORDER");
+    return e != nullptr && e[0] == '0';
+  }();
+  args.p.heavy_first = p.causal && !order_env_plain;
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});

@@ -46,6 +46,7 @@ struct FmhaBwdSm90Params {
   float softmax_scale;
   float scale_log2;                // softmax_scale * log2(e)
   bool causal, bottom_right, deterministic, is_bf16;
+  bool heavy_first;                // main kernel: blockIdx enumerates K/V blocks outermost (set by the launcher)
 };
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu.
