@@ -47,7 +47,7 @@ struct TileConfig {
 // Warps 0-3 issue the KV loads and compute S = Q K^T, each over a 144-dim slice of the 576-dim contraction
 // with its Q fragments held in registers (K read from smem once per tile, Q never), then the online
 // softmax; warps 4-7 compute O += P V on 128 output dims each. P is double-buffered, so QK/softmax of
-// tile j+1 overlaps PV of tile j. S stages keep S-2 tiles in flight beyond the two being computed.
+// tile j+1 overlaps PV of tile j. S stages keep S-1 tiles in flight beside the one being computed.
 template <int M_TILE>
 struct WsTileConfig {
   static_assert(M_TILE == 16 || M_TILE == 32, "the warp-specialized kernel takes 16- or 32-row tiles");
@@ -62,7 +62,7 @@ struct WsTileConfig {
   static constexpr int kEPT = kBlockN / kTPR;          // softmax elements per thread: 4 or 8
   static constexpr int kPVCols = kDimCkv / kPVWarps;   // 128 output dims per PV warp
   static constexpr int kPVNTiles = kPVCols / 8;
-  static constexpr int kMinStages = 3;                 // at least one tile in flight beyond the two in use
+  static constexpr int kMinStages = 3;                 // two tiles in flight (1 would expose the full latency)
   static_assert(kKSlice % 16 == 0 && kEPT % 4 == 0, "tile shape");
 
   static constexpr int smem_bytes(int stages) {

@@ -10,10 +10,13 @@
 //     softmax (one row per 8 or 4 threads) and publish P and the row rescale factors;
 //   - warps 4-7 ("PV warps") compute O = O * alpha + P V on 128 of the 512 output dims each;
 //   - P and alpha are double-buffered, so the QK warps compute tile j+1 while the PV warps finish tile j.
-// Named barriers (ids 1-6) carry the hand-offs; there is no __syncthreads in the loop.
-// Pipeline: S stages; at tile j the QK warps, after PV(j-2) has released its buffer, issue tile j+S-2, so
-// S-2 tiles are in flight beside the two being computed. Page ids are staged in a smem ring D = 2S-4 tiles
-// ahead, fetched in the same commit groups (see the proof of distances in load order below).
+// One hand-off per tile: both groups bar.sync on kBarPFull after the QK warps wrote P(j) and the PV warps
+// finished PV(j-1). (A bar.arrive producer would let the QK warps run two tiles ahead, but
+// compute-sanitizer's racecheck does not model arrive -> sync and reports every hand-off as a race; a
+// both-sides sync keeps the one-tile overlap and is checkable.) No __syncthreads in the loop.
+// Pipeline: S stages; after the hand-off of tile j the QK warps issue tile j+S-1 into the stage PV(j-1)
+// released, so S-1 tiles are in flight beside the one being computed. Page ids are staged in a smem ring
+// D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
 #pragma once
 
 #include "sm80/mla_decode_sm80_kernel.cuh"
@@ -23,16 +26,12 @@ namespace mla_decode_sm80 {
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
-}
 
 // Named barrier ids (0 is __syncthreads).
 enum WsBarrier : int {
   kBarQK = 1,        // the 128 QK threads among themselves
-  kBarPFull = 2,     // + buffer (2, 3): P(j), alpha(j) written (QK arrive, PV sync)
-  kBarPEmpty = 4,    // + buffer (4, 5): PV(j) done with P(j) and KV stage j (PV arrive, QK sync)
-  kBarFinal = 6,     // 1/l of every row written (QK arrive, PV sync)
+  kBarPFull = 2,     // all 256: P(j), alpha(j) written and PV(j-1) done (P buffer (j+1) % 2, KV stage j-1 free)
+  kBarFinal = 3,     // all 256: 1/l of every row written
 };
 
 template <typename Elem, int M_TILE>
@@ -78,11 +77,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     const int log2_page = p.log2_page;
     const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
     const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
-    // Load order: the prologue commits one group per tile 0..S-3; iteration j commits one group with KV
-    // tile j+S-2 and the page ids of tile j+D. Group number n therefore holds KV tile n, and at iteration j
-    // (S-2+j groups committed) wait_group(S-3) completes tile j. The page ids of tile j+D land with group
-    // S-2+j, i.e. by iteration j+S-2, which is exactly when KV tile j+D-(S-2) = j+S-2 is issued.
-    const int D = 2 * stages - 4;
+    // Load order: the prologue commits one group per tile 0..S-2; iteration j commits one group with KV
+    // tile j+S-1 and the page ids of tile j+D. Group number n therefore holds KV tile n, and at iteration j
+    // (S-1+j groups committed) wait_group(S-2) completes tile j. The page ids of tile j+D land with group
+    // S-1+j, i.e. by iteration j+S-1, which is exactly when KV tile j+D-(S-1) = j+S-1 is issued. The ring
+    // (kPageRing = 2 kMaxStages tiles) holds tiles j+S-1 .. j+D, S of them.
+    const int D = 2 * stages - 2;
 
     // page ids of tiles [0, D) with plain loads; later tiles arrive by cp.async
     for (int idx = tid; idx < D * kBlockN; idx += Cfg::kQKThreads) {
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
                   ok ? static_cast<const void*>(bt + (tok >> log2_page)) : static_cast<const void*>(bt), ok);
       }
     };
-    for (int s = 0; s < stages - 2; ++s) {
+    for (int s = 0; s < stages - 1; ++s) {
       if (s < n_tiles) load_kv(s);
       cp_async_commit();
     }
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     const int kcol = warp * Cfg::kKSlice + ((lane >> 3) & 1) * 8;
 
     for (int j = 0; j < n_tiles; ++j) {
-      cp_async_wait_dyn(stages - 3);
+      cp_async_wait_dyn(stages - 2);
       named_bar_sync(kBarQK, Cfg::kQKThreads);  // tile j landed for all QK threads; sS free again
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
       const int tok0 = kv_begin + j * kBlockN;
@@ -273,17 +273,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       }
       l_part = l_part * alpha + rs;
 
-      // ---- hand P(j) to the PV warps: buffer j % 2 is free once PV(j-2) is done ----
+      // ---- hand P(j) to the PV warps (buffer j % 2: PV(j-2) finished before the previous hand-off) ----
       const int pb = j & 1;
-      if (j >= 2) named_bar_sync(kBarPEmpty + pb, kThreads);
       uint8_t* prow = sP + (pb * M_TILE * kPStride + sr * kPStride + sc0) * 2;
       if constexpr (EPT == 4) *reinterpret_cast<uint2*>(prow) = make_uint2(pk[0], pk[1]);
       else *reinterpret_cast<uint4*>(prow) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
       if (tid % TPR == 0) sAlpha[pb * M_TILE + sr] = alpha;
-      named_bar_arrive(kBarPFull + pb, kThreads);
+      named_bar_sync(kBarPFull, kThreads);
 
-      // ---- next loads: KV tile j+S-2 into the stage PV(j-2) released, page ids of tile j+D ----
-      if (j + stages - 2 < n_tiles) load_kv(j + stages - 2);
+      // ---- next loads: KV tile j+S-1 into the stage PV(j-1) released, page ids of tile j+D ----
+      if (j + stages - 1 < n_tiles) load_kv(j + stages - 1);
       if (j + D < n_tiles) load_pages(j + D);
       cp_async_commit();
     }
@@ -304,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         else p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
       }
     }
-    named_bar_arrive(kBarFinal, kThreads);
+    named_bar_sync(kBarFinal, kThreads);
   } else {
     // =============================================================== PV warps: O = O * alpha + P V
     const int pw = warp - Cfg::kQKWarps;
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
     for (int j = 0; j < n_tiles; ++j) {
       const int pb = j & 1;
-      named_bar_sync(kBarPFull + pb, kThreads);  // P(j), alpha(j) and (through the QK warps' waits) KV tile j
+      named_bar_sync(kBarPFull, kThreads);  // P(j), alpha(j) and (through the QK warps' waits) KV tile j
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -349,7 +348,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
           }
         }
       }
-      if (j + 2 < n_tiles) named_bar_arrive(kBarPEmpty + pb, kThreads);  // matched by the QK sync at j+2
     }
     named_bar_sync(kBarFinal, kThreads);
 

@@ -768,8 +768,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
   if (p.heavy_first) {
     // Causal: a K/V block's work falls with its index, so enumerate blocks outermost (all heads and
-    // batches of block 0 first): the longest CTAs start first and the last wave holds only short ones.
-    // Deterministic mode needs block n-1's dQ adds before block n's: still dispatched earlier.
+    // batches of block 0 first): the longest CTAs start first, and in deterministic mode block n-1 of
+    // every head (whose dQ adds block n waits for) is dispatched a whole round before block n.
     const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     const int hb = gridDim.y * gridDim.z;
     n_block = lin / hb;
@@ -931,13 +931,16 @@ void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
 
   MainArgs<Tr> args{};
   args.p = p;
-  // Causal problems enumerate K/V blocks outermost (heavy first); MLA_BWD_SM90_ORDER=0 keeps the plain
-  // order (benchmark A/B).
-  static const bool order_env_plain = [] {
+  // Heavy-first order (K/V blocks outermost) for causal problems in deterministic mode, where a CTA
+  // waits for block n-1's dQ adds: on the H200 it took causal deterministic 192/128 from 226 to 305 TF/s
+  // and 128/128 from 279 to 438. Without the semaphores it lost 10% at 192/128 (405 vs 450 TF/s: the
+  // plain order keeps one head's Q/dO hot in L2), so it stays off there. MLA_BWD_SM90_ORDER=0|1 forces
+  // plain / heavy-first for causal problems (benchmarks).
+  static const int order_env = [] {
     const char* e = std::getenv("MLA_BWD_SM90_ORDER");
-    return e != nullptr && e[0] == '0';
+    return (e != nullptr && (e[0] == '0' || e[0] == '1')) ? e[0] - '0' : -1;
   }();
-  args.p.heavy_first = p.causal && !order_env_plain;
+  args.p.heavy_first = p.causal && (order_env < 0 ? p.deterministic : order_env == 1);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
