@@ -69,7 +69,7 @@ struct WsTileConfig {
     return stages * kBlockN * kRowBytes               // KV stages
          + kQKWarps * M_TILE * kSStride * 4           // partial S of each QK warp
          + 2 * M_TILE * kPStride * 2                  // P, double-buffered (16-bit)
-         + 2 * M_TILE * 4 + M_TILE * 4                // alpha per buffer, 1/l per row
+         + 3 * kQKThreads * 4                         // alpha (2 buffers) and 1/l, a slot per softmax thread
          + kPageRing * kBlockN * 4;                   // page-id ring
   }
 };

@@ -56,9 +56,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   uint8_t* sKV = smem;
   float* sS = reinterpret_cast<float*>(sKV + stages * kBlockN * kRowBytes);      // [4][M_TILE][kSStride]
   uint8_t* sP = reinterpret_cast<uint8_t*>(sS + Cfg::kQKWarps * M_TILE * Cfg::kSStride);  // [2][M_TILE][kPStride]
-  float* sAlpha = reinterpret_cast<float*>(sP + 2 * M_TILE * kPStride * 2);     // [2][M_TILE]
-  float* sInvL = sAlpha + 2 * M_TILE;                                           // [M_TILE]
-  int* sPage = reinterpret_cast<int*>(sInvL + M_TILE);                          // [kPageRing][kBlockN]
+  // alpha and 1/l: one slot per softmax thread ([2][M_TILE][TPR] and [M_TILE][TPR]) so every QK thread
+  // stores (no lane-predicated stores before the hand-off barrier); readers take slot 0 of their row.
+  float* sAlpha = reinterpret_cast<float*>(sP + 2 * M_TILE * kPStride * 2);
+  float* sInvL = sAlpha + 2 * Cfg::kQKThreads;
+  int* sPage = reinterpret_cast<int*>(sInvL + Cfg::kQKThreads);                 // [kPageRing][kBlockN]
   const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
   const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
   const uint32_t sPage_a = static_cast<uint32_t>(__cvta_generic_to_shared(sPage));
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       uint8_t* prow = sP + (pb * M_TILE * kPStride + sr * kPStride + sc0) * 2;
       if constexpr (EPT == 4) *reinterpret_cast<uint2*>(prow) = make_uint2(pk[0], pk[1]);
       else *reinterpret_cast<uint4*>(prow) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      if (tid % TPR == 0) sAlpha[pb * M_TILE + sr] = alpha;
+      sAlpha[pb * Cfg::kQKThreads + tid] = alpha;  // = [pb][sr][tid % TPR]
       named_bar_sync(kBarPFull, kThreads);
 
       // ---- next loads: KV tile j+S-1 into the stage PV(j-1) released, page ids of tile j+D ----
@@ -291,9 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     // ---- row sums, 1/l for the PV warps, LSE ----
 #pragma unroll
     for (int off = 1; off < TPR; off <<= 1) l_part += __shfl_xor_sync(0xffffffffu, l_part, off);
+    const bool empty = !(l_part > 0.f);
+    sInvL[tid] = empty ? 0.f : 1.f / l_part;  // = [sr][tid % TPR]
     if (tid % TPR == 0) {
-      const bool empty = !(l_part > 0.f);
-      sInvL[sr] = empty ? 0.f : 1.f / l_part;
       const int grow = row0 + sr;
       if (grow < rows_total) {
         const float lse2 = empty ? -INFINITY : m_run + __log2f(l_part);
@@ -324,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const float a_lo = sAlpha[pb * M_TILE + mt * 16 + g], a_hi = sAlpha[pb * M_TILE + mt * 16 + g + 8];
+        const float a_lo = sAlpha[pb * Cfg::kQKThreads + (mt * 16 + g) * TPR];
+        const float a_hi = sAlpha[pb * Cfg::kQKThreads + (mt * 16 + g + 8) * TPR];
 #pragma unroll
         for (int nt = 0; nt < PVN; ++nt) {
           o[mt][nt][0] *= a_lo; o[mt][nt][1] *= a_lo;
@@ -358,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         const int row = mt * 16 + g + hh * 8;
         const int grow = row0 + row;
         if (grow >= rows_total) continue;
-        const float inv = sInvL[row];
+        const float inv = sInvL[row * TPR];
         const int t = grow / p.H, h = grow - t * p.H;
         if (final_out) {
           Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
