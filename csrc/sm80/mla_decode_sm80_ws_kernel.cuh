@@ -23,8 +23,10 @@
 
 namespace mla_decode_sm80 {
 
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+// Immediate barrier id and count (a register id compiles to BAR.SYNC Rn).
+template <int kId, int kCount>
+__device__ __forceinline__ void named_bar_sync() {
+  asm volatile("bar.sync %0, %1;\n" :: "n"(kId), "n"(kCount) : "memory");
 }
 
 // Named barrier ids (0 is __syncthreads).
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
           qf[mt][ks][3] = q_pair(r + 8, col + 8);
         }
     }
-    named_bar_sync(kBarQK, Cfg::kQKThreads);  // prologue page ids visible
+    named_bar_sync<kBarQK, Cfg::kQKThreads>();  // prologue page ids visible
 
     // KV tile loader (128 threads): warp w takes rows w, w+4, ..., each as two 512-byte ckv halves (a
     // warp instruction covers 512 contiguous bytes) and, 8 rows per instruction, the 128-byte kpe rows.
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
     for (int j = 0; j < n_tiles; ++j) {
       cp_async_wait_dyn(stages - 2);
-      named_bar_sync(kBarQK, Cfg::kQKThreads);  // tile j landed for all QK threads; sS free again
+      named_bar_sync<kBarQK, Cfg::kQKThreads>();  // tile j landed for all QK threads; sS free again
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
       const int tok0 = kv_begin + j * kBlockN;
 
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
             *reinterpret_cast<float2*>(mine + (r + 8) * Cfg::kSStride + c) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
           }
       }
-      named_bar_sync(kBarQK, Cfg::kQKThreads);  // the four partial S tiles visible
+      named_bar_sync<kBarQK, Cfg::kQKThreads>();  // the four partial S tiles visible
 
       // ---- online softmax of row sr, columns [sc0, sc0 + EPT) ----
       float s[EPT];
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       if constexpr (EPT == 4) *reinterpret_cast<uint2*>(prow) = make_uint2(pk[0], pk[1]);
       else *reinterpret_cast<uint4*>(prow) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
       sAlpha[pb * Cfg::kQKThreads + tid] = alpha;  // = [pb][sr][tid % TPR]
-      named_bar_sync(kBarPFull, kThreads);
+      named_bar_sync<kBarPFull, kThreads>();
 
       // ---- next loads: KV tile j+S-1 into the stage PV(j-1) released, page ids of tile j+D ----
       if (j + stages - 1 < n_tiles) load_kv(j + stages - 1);
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         else p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
       }
     }
-    named_bar_sync(kBarFinal, kThreads);
+    named_bar_sync<kBarFinal, kThreads>();
   } else {
     // =============================================================== PV warps: O = O * alpha + P V
     const int pw = warp - Cfg::kQKWarps;
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
     for (int j = 0; j < n_tiles; ++j) {
       const int pb = j & 1;
-      named_bar_sync(kBarPFull, kThreads);  // P(j), alpha(j) and (through the QK warps' waits) KV tile j
+      named_bar_sync<kBarPFull, kThreads>();  // P(j), alpha(j) and (through the QK warps' waits) KV tile j
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         }
       }
     }
-    named_bar_sync(kBarFinal, kThreads);
+    named_bar_sync<kBarFinal, kThreads>();
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
