@@ -10,16 +10,14 @@ cache is not expanded H times; the gather itself is not timed).
 Metrics: median time (triton.testing.do_bench, else CUDA events), cache GB/s = B*S*576*2 bytes / time,
 TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Writes JSON to bench/results/ and prints a table.
 
-    python bench/bench_decode.py [--quick] [--out bench/results/decode_<stamp>.json]
+    python bench/bench_decode.py [--quick] [--sweep] [--out FILE.json]   # default: bench/results/decode-<date>-<gpu>-<commit>.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from mla_autograd._build import load_family  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import stamp  # noqa: E402
+from common import stamp, write  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
 AUTO = (0, 0, 0, -1, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow, ws): automatic
@@ -152,11 +150,14 @@ def main(argv=None):
         tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws)"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {s}")
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"decode_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = stamp()
     meta.update({"device": dev, "rows": rows})
-    out.write_text(json.dumps(meta, indent=1))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(meta, indent=1))
+    else:  # bench/results/decode[-sweep]-<date>-<gpu>-<commit>.json, like the other benchmarks
+        out = write("decode-sweep" if args.sweep else "decode", meta)
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
 

@@ -122,7 +122,9 @@ TABLE: tuple[Route, ...] = (
           KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized backward"),
     Route("attn_bwd", "reference", None, None, "any", None, None, note="pure PyTorch (explicit FlashAttention backward)"),
     Route("decode", "sm80_decode", "mla_decode_sm80", lambda c: c >= (8, 0), ">= 8.0",
-          KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check, note="mma.sync paged MLA decode"),
+          KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check,
+          note="mma.sync paged MLA decode; H * Sq <= 32: warp-specialized kernel (QK/softmax warps + PV warps, "
+               "1 CTA/SM) where 3 of its stages fit in smem; otherwise the all-warps kernel"),
     Route("decode", "reference", None, None, "any", None, None, note="pure PyTorch"),
 )
 
