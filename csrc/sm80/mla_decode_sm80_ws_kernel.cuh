@@ -27,10 +27,12 @@
 
 namespace mla_decode_sm80 {
 
-// Immediate barrier id and count (a register id compiles to BAR.SYNC Rn).
+// Named barrier with an immediate id and count. Not `bar.sync`: that is barrier.sync.aligned, which
+// requires every participating thread to execute the same instruction; the QK and PV warps meet at
+// kBarPFull / kBarFinal from different places in the code, which only the non-aligned form allows.
 template <int kId, int kCount>
 __device__ __forceinline__ void named_bar_sync() {
-  asm volatile("bar.sync %0, %1;\n" :: "n"(kId), "n"(kCount) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" :: "n"(kId), "n"(kCount) : "memory");
 }
 
 // Named barrier ids (0 is __syncthreads).
