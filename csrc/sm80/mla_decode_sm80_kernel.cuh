@@ -88,6 +88,79 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// ---- pieces both decode kernels share ----
+
+// One work item of the device schedule: request b, KV range [kv_begin, kv_end) in kBlockN-token tiles;
+// b < 0: an unused item (the grid is sized from shapes), which the CTA skips before any barrier.
+struct WorkItem {
+  int b, kv_begin, kv_end, n_tiles;
+  bool final_out;  // the request has one split: write out/lse, not the split workspace
+};
+__device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
+  WorkItem w;
+  w.b = p.sched_items[item * 4 + 0];
+  w.kv_begin = p.sched_items[item * 4 + 2];
+  w.kv_end = p.sched_items[item * 4 + 3];
+  w.n_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + kBlockN - 1) / kBlockN : 0;
+  w.final_out = w.b >= 0 && p.sched_reqs[w.b * 2 + 1] == 1;
+  return w;
+}
+
+// Page ids of the item's tiles [0, n_pre) into the smem ring with plain loads (0 past the range), by
+// `nthreads` threads from `tid`; later tiles arrive through load_page_ids_async.
+__device__ __forceinline__ void stage_page_ids(const DecodeParams& p, const WorkItem& w, int* sPage, int n_pre,
+                                               int tid, int nthreads) {
+  const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
+  for (int idx = tid; idx < n_pre * kBlockN; idx += nthreads) {
+    const int t = idx / kBlockN, r = idx % kBlockN;
+    const int tok = w.kv_begin + t * kBlockN + r;
+    sPage[(t % kPageRing) * kBlockN + r] = (t < w.n_tiles && tok < w.kv_end) ? __ldg(bt + (tok >> p.log2_page)) : 0;
+  }
+}
+
+// Page ids of `tile` into its ring slot by 4-byte cp.async (threads 0..kBlockN-1; zero past the range).
+__device__ __forceinline__ void load_page_ids_async(const DecodeParams& p, const WorkItem& w, uint32_t sPage_a, int tile,
+                                                    int tid) {
+  if (tid < kBlockN) {
+    const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
+    const int tok = w.kv_begin + tile * kBlockN + tid;
+    const bool ok = tok < w.kv_end;
+    cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4,
+              ok ? static_cast<const void*>(bt + (tok >> p.log2_page)) : static_cast<const void*>(bt), ok);
+  }
+}
+
+// This thread's part of one output row (row grow = t * H + h; half hh of the mma fragments o[][] over
+// columns col0 + 8 nt + 2 q4), times inv = 1/l: to out (16-bit) or, for a split request, to the fp32
+// split workspace.
+template <typename Elem, int PVN>
+__device__ __forceinline__ void store_out_row(const DecodeParams& p, const WorkItem& w, int item, int grow, int col0,
+                                              int q4, const float (&o)[PVN][4], int hh, float inv) {
+  if (w.final_out) {
+    const int t = grow / p.H, h = grow - t * p.H;
+    Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(w.b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
+#pragma unroll
+    for (int nt = 0; nt < PVN; ++nt)
+      *reinterpret_cast<uint32_t*>(out + col0 + nt * 8 + 2 * q4) = pack2<Elem>(o[nt][2 * hh] * inv, o[nt][2 * hh + 1] * inv);
+  } else {
+    float* wo = p.ws_o + (int64_t(item) * p.Sq * p.H + grow) * kDimCkv;
+#pragma unroll
+    for (int nt = 0; nt < PVN; ++nt)
+      *reinterpret_cast<float2*>(wo + col0 + nt * 8 + 2 * q4) = make_float2(o[nt][2 * hh] * inv, o[nt][2 * hh + 1] * inv);
+  }
+}
+
+// The LSE of row grow (lse2 in base 2): natural log into lse, or base 2 into the split workspace.
+__device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem& w, int item, int grow, float lse2) {
+  if (w.final_out) {
+    const int t = grow / p.H, h = grow - t * p.H;
+    constexpr float kLn2 = 0.6931471805599453f;
+    p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
+  } else {
+    p.ws_lse[int64_t(item) * p.Sq * p.H + grow] = lse2;
+  }
+}
+
 template <typename Elem, int M_TILE, bool NARROW>
 __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_decode_kernel(const DecodeParams p) {
   using Cfg = TileConfig<M_TILE, NARROW>;
@@ -98,14 +171,10 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
-  const int b = p.sched_items[item * 4 + 0];
-  if (b < 0) return;  // grid is sized from shapes; unused items exit
-  const int split = p.sched_items[item * 4 + 1];
-  const int kv_begin = p.sched_items[item * 4 + 2];
-  const int kv_end = p.sched_items[item * 4 + 3];
-  (void)split;
+  const WorkItem w = work_item(p, item);
+  if (w.b < 0) return;  // grid is sized from shapes; unused items exit
+  const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
   const int L = p.seqlens[b];
-  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
   const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
@@ -128,21 +197,12 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const int g = lane >> 2;   // mma row group
   const int q4 = lane & 3;   // mma quad lane
 
-  const int* bt = p.block_table + int64_t(b) * p.bt_stride_b;
   const int page_mask = p.page_size - 1;
-  const int log2_page = p.log2_page;
   const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
   const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
 
   // ---- page ids of the first 2*stages-2 tiles (plain loads; later tiles arrive by cp.async) ----
-  const int pre_tiles = 2 * stages - 2;
-  for (int idx = tid; idx < pre_tiles * kBlockN; idx += kThreads) {
-    const int t = idx / kBlockN, r = idx % kBlockN;
-    const int tok = kv_begin + t * kBlockN + r;
-    int pg = 0;
-    if (t < n_tiles && tok < kv_end) pg = __ldg(bt + (tok >> log2_page));
-    sPage[(t % kPageRing) * kBlockN + r] = pg;
-  }
+  stage_page_ids(p, w, sPage, 2 * stages - 2, tid, kThreads);
 
   // ---- Q tile (rows (token, head), zero-filled past Sq*H) ----
   {
@@ -203,13 +263,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     load_kv_n(std::integral_constant<int, kThreads>{}, tile, tid);
   };
 
-  auto load_pages = [&](int tile) {  // page ids of `tile` into the ring, asynchronously
-    if (tid < kBlockN) {
-      const int tok = kv_begin + tile * kBlockN + tid;
-      const bool ok = tok < kv_end;
-      cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4, ok ? static_cast<const void*>(bt + (tok >> log2_page)) : static_cast<const void*>(bt), ok);
-    }
-  };
+  auto load_pages = [&](int tile) { load_page_ids_async(p, w, sPage_a, tile, tid); };
 
   for (int s = 0; s < stages - 1; ++s) {
     if (s < n_tiles) load_kv(s);
@@ -402,8 +456,6 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   }
   __syncthreads();
 
-  const bool final_out = p.sched_reqs[b * 2 + 1] == 1;
-  constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -416,25 +468,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       for (int c = 0; c < WC; ++c) l += sRedSum[c * M_TILE + row];
       const bool empty = !(l > 0.f);
       const float inv = empty ? 0.f : 1.f / l;
-      const float lse2 = empty ? -INFINITY : m_run[mt][hh] + __log2f(l);
-      const int t = grow / p.H, h = grow % p.H;
-      if (final_out) {
-        Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
-#pragma unroll
-        for (int nt = 0; nt < PVN; ++nt) {
-          const int col = warp * Cfg::kPVCols + nt * 8 + 2 * q4;
-          *reinterpret_cast<uint32_t*>(out + col) = pack2<Elem>(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
-        }
-        if (warp == 0 && q4 == 0) p.lse[int64_t(b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
-      } else {
-        float* wo = p.ws_o + (int64_t(item) * rows_total + grow) * kDimCkv;
-#pragma unroll
-        for (int nt = 0; nt < PVN; ++nt) {
-          const int col = warp * Cfg::kPVCols + nt * 8 + 2 * q4;
-          *reinterpret_cast<float2*>(wo + col) = make_float2(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
-        }
-        if (warp == 0 && q4 == 0) p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
-      }
+      store_out_row<Elem, PVN>(p, w, item, grow, warp * Cfg::kPVCols, q4, o[mt], hh, inv);
+      if (warp == 0 && q4 == 0) store_lse(p, w, item, grow, empty ? -INFINITY : m_run[mt][hh] + __log2f(l));
     }
   }
 }

@@ -49,16 +49,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
-  const int b = p.sched_items[item * 4 + 0];
-  if (b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
-  const int kv_begin = p.sched_items[item * 4 + 2];
-  const int kv_end = p.sched_items[item * 4 + 3];
+  const WorkItem w = work_item(p, item);
+  if (w.b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
+  const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
   const int L = p.seqlens[b];
-  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
   const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
-  const bool final_out = p.sched_reqs[b * 2 + 1] == 1;
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sKV = smem;
@@ -82,9 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
   if (warp < Cfg::kQKWarps) {
     // =============================================================== QK warps: loads, S, softmax
-    const int* bt = p.block_table + int64_t(b) * p.bt_stride_b;
     const int page_mask = p.page_size - 1;
-    const int log2_page = p.log2_page;
     const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
     const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
     // Load order: the prologue commits one group per tile 0..S-2; iteration j commits one group with KV
@@ -95,11 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     const int D = 2 * stages - 2;
 
     // page ids of tiles [0, D) with plain loads; later tiles arrive by cp.async
-    for (int idx = tid; idx < D * kBlockN; idx += Cfg::kQKThreads) {
-      const int t = idx / kBlockN, r = idx % kBlockN;
-      const int tok = kv_begin + t * kBlockN + r;
-      sPage[(t % kPageRing) * kBlockN + r] = (t < n_tiles && tok < kv_end) ? __ldg(bt + (tok >> log2_page)) : 0;
-    }
+    stage_page_ids(p, w, sPage, D, tid, Cfg::kQKThreads);
 
     // Q fragments (A operand of m16n8k16: rows g and g+8, columns 2*q4 + {0, 1, 8, 9} of each k-step) of
     // this warp's 144-dim slice; rows past Sq*H are zero.
@@ -168,14 +159,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         const int tok = tok0 + r;
         const Elem* src = kpe_lane + row_off(pid[r], tok, kpe_sp, kpe_sr);
         cp_async16(dst + kpe_dst + 16 * k * kRowBytes, src, tok < kv_end);
-      }
-    };
-    auto load_pages = [&](int tile) {
-      if (tid < kBlockN) {
-        const int tok = kv_begin + tile * kBlockN + tid;
-        const bool ok = tok < kv_end;
-        cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4,
-                  ok ? static_cast<const void*>(bt + (tok >> log2_page)) : static_cast<const void*>(bt), ok);
       }
     };
     for (int s = 0; s < stages - 1; ++s) {
@@ -293,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
       // ---- next loads: KV tile j+S-1 into the stage PV(j-1) released, page ids of tile j+D ----
       if (j + stages - 1 < n_tiles) load_kv(j + stages - 1);
-      if (j + D < n_tiles) load_pages(j + D);
+      if (j + D < n_tiles) load_page_ids_async(p, w, sPage_a, j + D, tid);
       cp_async_commit();
     }
     cp_async_wait_dyn(0);
@@ -303,16 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     for (int off = 1; off < TPR; off <<= 1) l_part += __shfl_xor_sync(0xffffffffu, l_part, off);
     const bool empty = !(l_part > 0.f);
     sInvL[tid] = empty ? 0.f : 1.f / l_part;  // = [sr][tid % TPR]
-    if (tid % TPR == 0) {
-      const int grow = row0 + sr;
-      if (grow < rows_total) {
-        const float lse2 = empty ? -INFINITY : m_run + __log2f(l_part);
-        const int t = grow / p.H, h = grow - t * p.H;
-        constexpr float kLn2 = 0.6931471805599453f;
-        if (final_out) p.lse[int64_t(b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
-        else p.ws_lse[int64_t(item) * rows_total + grow] = lse2;
-      }
-    }
+    if (tid % TPR == 0 && row0 + sr < rows_total)
+      store_lse(p, w, item, row0 + sr, empty ? -INFINITY : m_run + __log2f(l_part));
     named_bar_sync<kBarFinal, kThreads>();
   } else {
     // =============================================================== PV warps: O = O * alpha + P V
@@ -369,23 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         const int row = mt * 16 + g + hh * 8;
         const int grow = row0 + row;
         if (grow >= rows_total) continue;
-        const float inv = sInvL[row * TPR];
-        const int t = grow / p.H, h = grow - t * p.H;
-        if (final_out) {
-          Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
-#pragma unroll
-          for (int nt = 0; nt < PVN; ++nt) {
-            const int col = pw * Cfg::kPVCols + nt * 8 + 2 * q4;
-            *reinterpret_cast<uint32_t*>(out + col) = pack2<Elem>(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
-          }
-        } else {
-          float* wo = p.ws_o + (int64_t(item) * rows_total + grow) * kDimCkv;
-#pragma unroll
-          for (int nt = 0; nt < PVN; ++nt) {
-            const int col = pw * Cfg::kPVCols + nt * 8 + 2 * q4;
-            *reinterpret_cast<float2*>(wo + col) = make_float2(o[mt][nt][2 * hh] * inv, o[mt][nt][2 * hh + 1] * inv);
-          }
-        }
+        store_out_row<Elem, PVN>(p, w, item, grow, pw * Cfg::kPVCols, q4, o[mt], hh, sInvL[row * TPR]);
       }
     }
   }
