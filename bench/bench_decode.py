@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import stamp, write  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
-AUTO = (0, 0, 0, -1, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow, ws): automatic
+AUTO = (0, 0, 0, -1, -1, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow, ws, pdl): automatic
 
 
 def bench_ms(fn) -> float:
@@ -79,7 +79,7 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
-           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9}
+           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9}
     if sdpa:
         try:
             dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
@@ -126,12 +126,12 @@ def main(argv=None):
             dict(B=128, S=4096, H=16, page=64, dtype=torch.float16),
         ]
     if args.sweep:
-        # all-warps kernel at 2 CTAs/SM (the default before the warp-specialized one), and the
-        # warp-specialized kernel with 3 and 4 stages (automatic: the most that fit, 5 on the H200)
-        for tune in [(0, 2, 0, 1, -1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 0, -1, -1, 1)]:
+        # all-warps kernel at 2 CTAs/SM (the default before the warp-specialized one), the warp-specialized
+        # kernel with 3 and 5 stages (automatic: 4), and without programmatic dependent launch
+        for tune in [(0, 2, 0, 1, -1, 0, -1), (3, 0, 0, -1, -1, 1, -1), (5, 0, 0, -1, -1, 1, -1), (0, 0, 0, -1, -1, -1, 0)]:
             cases.append(dict(B=128, S=4096, H=16, page=64, tune=tune))
             cases.append(dict(B=4, S=32768, H=16, page=64, tune=tune))
-        for tune in [(0, 0, 0, -1, 0, -1), (0, 0, 32, -1, -1, 1)]:
+        for tune in [(0, 0, 0, -1, 0, -1, -1), (0, 0, 32, -1, -1, 1, -1)]:
             cases.append(dict(B=128, S=4096, H=128, page=64, tune=tune))
     rows = []
     for c in cases:
@@ -147,7 +147,7 @@ def main(argv=None):
     print(f"\nmla_decode_sm80 on {dev}\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
-        tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws)"])
+        tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {s}")
     meta = stamp()

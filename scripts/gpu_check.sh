@@ -7,9 +7,9 @@
 #   bash scripts/gpu_check.sh --tests-only
 #   bash scripts/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
-# Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET), GPU_TEST_FILES,
+# Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS), RACECHECK_PROBE=1, GPU_TEST_FILES,
 # TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
-# LAYER_BUDGET, LAYER_ARGS, EXAMPLE_BUDGET, EXAMPLE_STEPS.
+# LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-all}"
@@ -68,10 +68,18 @@ if [ "$MODE" != "--bench-only" ]; then
   if [ -n "${SANITIZE:-}" ]; then
     say "== compute-sanitizer (tests/gpu/sanitize_small.py)"
     for tool in memcheck racecheck; do
-      timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tests/gpu/sanitize_small.py \
+      timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tests/gpu/sanitize_small.py ${SANITIZE_ARGS:-} \
         >"$WORK/sanitize_$tool.log" 2>&1
       say "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_small:" "$WORK/sanitize_$tool.log" | tr '\n' ' ')"
       grep -E "^========= (Invalid|Race|Error|.*hazard)" "$WORK/sanitize_$tool.log" | sort | uniq -c | head -6 | tee -a "$summary"
+    done
+  fi
+  if [ -n "${RACECHECK_PROBE:-}" ]; then  # does racecheck model named barriers? (scripts/racecheck_probe.cu)
+    say "== racecheck probe"
+    nvcc -arch=sm_90 -lineinfo -o "$WORK/racecheck_probe" scripts/racecheck_probe.cu >"$WORK/probe_build.log" 2>&1 || say "probe build failed"
+    for k in 0 1 2 3; do
+      compute-sanitizer --tool racecheck "$WORK/racecheck_probe" $k >"$WORK/probe_$k.log" 2>&1
+      say "probe $k rc=$?: $(grep -E "racecheck_probe mode|RACECHECK SUMMARY" "$WORK/probe_$k.log" | tr '\n' ' ')"
     done
   fi
   say "== GPU tests"; t=$(date +%s)
@@ -111,14 +119,22 @@ if [ "$MODE" != "--tests-only" ]; then
     "${env_s[@]}" timeout 120 python3 tests/gpu/test_fmha_fwd_sm90.py --bench >"$WORK/bench_fwd_$s.log" 2>&1
     say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_$s.log" | tee -a "$summary"
   done
-  timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
-  say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
+  if [ "${ATTN_BUDGET:-240}" -gt 0 ]; then
+    timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
+    say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"
+  fi
   if [ -n "${DECODE_BENCH:-}" ]; then
     timeout "${DECODE_BUDGET:-120}" python3 bench/bench_decode.py ${DECODE_ARGS:-} >"$WORK/bench_decode.log" 2>&1; say "bench_decode rc=$?"
     sed -n '/^mla_decode_sm80 on/,$p' "$WORK/bench_decode.log" | tee -a "$summary"
   fi
-  timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
-  say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
+  if [ "${LAYER_BUDGET:-120}" -gt 0 ]; then
+    timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
+    say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
+  fi
+  if [ -n "${PROFILE_ARGS:-}" ]; then  # per-kernel times of chosen calls (bench/profile_ops.py)
+    timeout "${PROFILE_BUDGET:-150}" python3 bench/profile_ops.py $PROFILE_ARGS >"$WORK/profile.log" 2>&1
+    say "profile_ops rc=$?"; grep -vE "Warning|warn\(" "$WORK/profile.log" | tail -n 120 | tee -a "$summary"
+  fi
   [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && timeout "${EXAMPLE_BUDGET:-90}" python3 examples/train_mla.py --device cuda --steps "${EXAMPLE_STEPS:-200}" --out /tmp/mla_ex >"$WORK/train_mla.log" 2>&1
   [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && { say "train_mla rc=$?"; tail -n 4 "$WORK/train_mla.log" | tee -a "$summary"; }
   cp /tmp/mla_ex/*.png "$WORK/" 2>/dev/null

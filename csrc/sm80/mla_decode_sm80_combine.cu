@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "sm80/mla_decode_sm80_config.h"
+#include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
 
 namespace mla_decode_sm80 {
@@ -32,6 +33,7 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a,
 // row (2 KB) is read fully coalesced and the loop over splits keeps 8 independent loads in flight.
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
+  grid_dependency_wait();  // the main kernel's partial outputs (PDL); every CTA, before any early exit
   const int tid = threadIdx.x;
   const int rows = p.Sq * p.H;
   const long long idx = blockIdx.x;
@@ -87,8 +89,8 @@ void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream) {
   const long long rows = (long long)p.B * p.Sq * p.H;
   if (rows == 0) return;
   const unsigned blocks = unsigned(rows);
-  if (is_bf16) mla_decode_combine_kernel<__nv_bfloat16><<<blocks, kCombineThreads, 0, stream>>>(p);
-  else mla_decode_combine_kernel<__half><<<blocks, kCombineThreads, 0, stream>>>(p);
+  if (is_bf16) launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p);
+  else launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
 }
 
 }  // namespace mla_decode_sm80

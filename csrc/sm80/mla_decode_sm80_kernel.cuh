@@ -19,6 +19,7 @@
 #include <cute/arch/mma_sm80.hpp>
 
 #include "sm80/mla_decode_sm80_config.h"
+#include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
 
 namespace mla_decode_sm80 {
@@ -171,6 +172,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
+  allow_dependent_launch();
+  grid_dependency_wait();  // the metadata kernel's schedule (PDL)
   const WorkItem w = work_item(p, item);
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
@@ -484,8 +487,7 @@ void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
   const int smem = TileConfig<M_TILE, NARROW>::smem_bytes(p.stages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
-  dim3 grid(p.num_mblocks, p.num_items);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
 }
 
 template <typename Elem>

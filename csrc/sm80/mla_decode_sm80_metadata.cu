@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "sm80/mla_decode_sm80_config.h"
+#include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
 
 namespace mla_decode_sm80 {
@@ -23,6 +24,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   } tmp;
   __shared__ long long s_budget;
 
+  allow_dependent_launch();  // the main kernel's CTAs may take their SMs now and wait for this schedule
   const int tid = threadIdx.x;
   const int per = (p.B + kMetaThreads - 1) / kMetaThreads;
   const int b0 = tid * per, b1 = min(p.B, b0 + per);
@@ -55,14 +57,22 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     const int s = splits_of(x);
     p.sched_reqs[b * 2 + 0] = base;
     p.sched_reqs[b * 2 + 1] = s;
+    // split j covers tiles [floor(j x / s), floor((j+1) x / s)): the floor is carried as quotient q plus a
+    // running remainder, so the loop has no division (one thread writes all of a request's splits, and the
+    // 64-bit divisions this replaced cost ~9 us for 4 requests of 32 splits)
+    const int q = x / s, r = x % s;
+    int tb = 0, rem = 0;
     for (int j = 0; j < s; ++j) {
       const int it = base + j;
       if (it >= p.num_items) break;  // cannot happen when num_items is sized as documented
-      const long long tb = (long long)j * x / s, te = (long long)(j + 1) * x / s;
+      int te = tb + q;
+      rem += r;
+      if (rem >= s) { rem -= s; ++te; }
       p.sched_items[it * 4 + 0] = b;
       p.sched_items[it * 4 + 1] = j;
-      p.sched_items[it * 4 + 2] = int(tb * kBlockN);
-      p.sched_items[it * 4 + 3] = int(te * kBlockN < (long long)L ? te * kBlockN : (long long)L);
+      p.sched_items[it * 4 + 2] = tb * kBlockN;
+      p.sched_items[it * 4 + 3] = min(te * kBlockN, L);
+      tb = te;
     }
     base += s;
   }

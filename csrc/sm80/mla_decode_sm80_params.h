@@ -46,6 +46,7 @@ struct DecodeParams {
   int qk_narrow;     // 1: 64-row tiles use the 4-warp QK layout (TileConfig<64, true>)
   int split_loaders; // 1: only the warps idle during QK issue the KV cp.async (16-row tiles)
   int ws;            // 1: the warp-specialized kernel (WsTileConfig; 16/32-row tiles, one CTA per SM)
+  int pdl;           // 1: main and merge kernels launched as programmatic dependents (sm_90+; launch.h)
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
 };

@@ -49,6 +49,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
+  allow_dependent_launch();
+  grid_dependency_wait();  // the metadata kernel's schedule (PDL)
   const WorkItem w = work_item(p, item);
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
@@ -356,8 +358,7 @@ void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
   const int smem = WsTileConfig<M_TILE>::smem_bytes(p.stages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
-  dim3 grid(p.num_mblocks, p.num_items);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
 }
 
 }  // namespace mla_decode_sm80

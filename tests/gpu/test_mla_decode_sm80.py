@@ -153,11 +153,13 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
 
 
 @pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
-                                  (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1)],
+                                  (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1),
+                                  (5, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0)],
                          ids=str)
 def test_decode_launch_variants(ext, tune):
     # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows,
-    # warp-specialized kernel for 16/32-row tiles); the m-tile caps put the warp-specialized kernel on 128 heads too
+    # warp-specialized kernel for 16/32-row tiles[, programmatic dependent launch]); the m-tile caps put the
+    # warp-specialized kernel on 128 heads too
     ext.set_tuning(*tune)
     try:
         for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
@@ -204,6 +206,37 @@ def test_decode_cuda_graph(ext):
         base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, new_lens, SCALE, True)
         _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {new_lens}")
         _check(lse, ref_l.float(), base_l, 1e-4, f"lse {new_lens}")
+
+
+def test_decode_back_to_back(ext):
+    # Many calls queued on one stream with no sync between them: each call's metadata, main and merge kernels
+    # (programmatic dependent launches on sm_90) reuse the workspace the allocator hands back from the call
+    # before, and every call needs a different schedule (lengths, so splits, change). A kernel that read its
+    # schedule or wrote its outputs before its predecessor finished would mix calls up here.
+    torch.manual_seed(5)
+    dtype, H, Sq, page = torch.bfloat16, 16, 1, 64
+    cap = [9000, 4097, 1000, 17]
+    ckv, kpe, table = _paged_cache(cap, page, dtype, True, 5)
+    B = len(cap)
+    calls = []
+    for i in range(12):
+        lens = [int(torch.randint(0, c + 1, ()).item()) for c in cap] if i % 3 else list(cap)
+        q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
+        q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
+        lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+        calls.append((lens, q_nope, q_pe, seqlens, out, lse))
+    torch.cuda.synchronize()
+    for lens, q_nope, q_pe, seqlens, out, lse in calls:
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, False)
+    torch.cuda.synchronize()
+    for lens, q_nope, q_pe, seqlens, out, lse in calls:
+        ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
+                                                softmax_scale=SCALE, causal=False)
+        base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, lens, SCALE, False)
+        _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {lens}")
+        _check(lse, ref_l.float(), base_l, 1e-4, f"lse {lens}")
 
 
 def test_decode_rejects_bad_inputs(ext):

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Where the time of one call goes: per-kernel GPU times (torch.profiler) beside the call's wall time.
+
+A benchmark says how long a call takes; this says which kernels make up that time and how much is
+left between them (launch gaps, host work). One workload per flag, all on the current CUDA device:
+
+    python bench/profile_ops.py --attention 128 causal   # fwd+bwd through mla_autograd.attention, B=2 H=16 S=8192
+    python bench/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
+    python bench/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa
+
+For each it prints the call's median time (CUDA events, synchronized per call; for decode also replayed
+from a CUDA graph), the time per call queued back to back beside the summed kernel time of one call, and
+the top kernels by total time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mla_autograd as M  # noqa: E402
+
+
+def event_ms(fn, iters=20, warmup=5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def graph_ms(fn, iters=20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return event_ms(g.replay, iters=iters)
+
+
+def queued_ms(fn, iters=10) -> float:
+    """Mean time per call with the calls queued back to back (no sync between them)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def kernel_table(label: str, fn, iters=5, top=12) -> None:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    wall = queued_ms(fn, iters)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = e.cuda_time_total
+        if dev_us > 0 and e.count > 0:
+            rows.append((dev_us / iters, e.count / iters, e.key))
+    rows.sort(reverse=True)
+    # kernels only (the profiler also lists the host-side ops that launched them, with the same time)
+    kernels = [r for r in rows if not r[2].startswith(("aten::", "cuda", "Memcpy", "Memset", "mla_autograd::"))
+               and "autograd" not in r[2]]
+    total = sum(r[0] for r in kernels)
+    print(f"\n[{label}] per call: {wall:.3f} ms queued back to back, of which kernels {total / 1e3:.3f} ms")
+    for us, cnt, name in kernels[:top]:
+        print(f"  {us / 1e3:9.3f} ms  x{cnt:<5.1f} {name[:110]}")
+
+
+def run_attention(dims: int, causal: bool) -> None:
+    dqk, dv = {192: (192, 128), 128: (128, 128), 64: (64, 64)}[dims]
+    B, H, S = 2, 16, 8192
+    q = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            M.attention(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        o = M.attention(q, k, v, causal=causal)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    tf, tfb = event_ms(fwd), event_ms(fwd_bwd)
+    print(f"attention {dqk}/{dv} causal={causal}: fwd {tf:.3f} ms, fwd+bwd {tfb:.3f} ms (bwd by difference "
+          f"{tfb - tf:.3f} ms)")
+    kernel_table("attention fwd+bwd", fwd_bwd)
+
+
+def run_decode(B: int, S: int, H: int) -> None:
+    from mla_autograd._build import load_family
+    ext = load_family("mla_decode_sm80")
+    page, dt = 64, torch.bfloat16
+    P = B * (S // page) + 1
+    buf = torch.randn(P, page, 576, dtype=dt, device="cuda")
+    table = torch.randperm(P, device="cuda")[: B * (S // page)].view(B, -1).to(torch.int32).contiguous()
+    qn = torch.randn(B, 1, H, 512, dtype=dt, device="cuda")
+    qp = torch.randn(B, 1, H, 64, dtype=dt, device="cuda")
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, 1, H, 512, dtype=dt, device="cuda")
+    lse = torch.empty(B, H, 1, dtype=torch.float32, device="cuda")
+    fn = lambda: ext.decode(qn, qp, buf[..., :512], buf[..., 512:], table, lens, out, lse, 192 ** -0.5, False)  # noqa: E731
+    gb = B * S * 576 * 2 / 1e9
+    te, tg = event_ms(fn, iters=50), graph_ms(fn, iters=50)
+    print(f"decode B={B} S={S} H={H}: stream {te * 1e3:.1f} us ({gb / te * 1e3:.0f} GB/s), CUDA graph "
+          f"{tg * 1e3:.1f} us ({gb / tg * 1e3:.0f} GB/s)")
+    kernel_table("decode", fn, iters=20)
+
+
+def run_layer() -> None:
+    import bench_layer as BL
+    a = argparse.Namespace(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                                                  nope=128, rope=64, v=128, batch=1, seqlen=4096)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    ours = BL.make_ours(a, dev, dt)
+    x = torch.randn(1, 4096, a.hidden, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step(layer, call):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        call(layer, x).backward(dy)
+
+    f = lambda: step(ours, lambda m, h: m(h))  # noqa: E731
+    print(f"layer train step, ours: {event_ms(f, iters=10):.3f} ms")
+    kernel_table("layer ours", f, iters=3, top=25)
+    if BL.transformers is None:
+        return
+    state = {k_: v_.detach().clone() for k_, v_ in ours.state_dict().items()}
+    ours = None
+    cfg = BL.hf_config(a, "sdpa")
+    hf = BL.DeepseekV3Attention(cfg, layer_idx=0).to(dev, dt)
+    hf.load_state_dict(state, strict=True)
+    rot = BL.DeepseekV3RotaryEmbedding(cfg).to(dev)
+    pos = torch.arange(4096, device=dev)[None]
+    g = lambda: step(hf, lambda m, h: m(h, rot(h, pos), None)[0])  # noqa: E731
+    print(f"layer train step, transformers sdpa: {event_ms(g, iters=10):.3f} ms")
+    kernel_table("layer transformers sdpa", g, iters=3, top=25)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--attention", nargs=2, metavar=("DIMS", "MASK"), action="append", default=[],
+                    help="DIMS in 192/128/64, MASK causal|full")
+    ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
+    ap.add_argument("--layer", action="store_true")
+    args = ap.parse_args(argv)
+    for dims, mask in args.attention:
+        run_attention(int(dims), mask == "causal")
+    for B, S, H in args.decode:
+        run_decode(B, S, H)
+    if args.layer:
+        run_layer()
+
+
+if __name__ == "__main__":
+    main()

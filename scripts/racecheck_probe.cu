@@ -1,0 +1,68 @@
+// Does compute-sanitizer racecheck understand a named barrier that two warp groups reach from different
+// code? The decode kernel's warp-specialized hand-off is exactly that, and racecheck flags it. Four
+// minimal kernels, one per run, 256 threads: warps 0-3 write shared memory, warps 4-7 read what the
+// other group wrote.
+//   0 named_split   : writers `bar.sync 3, 256` after the store; readers `bar.sync 3, 256` at another PC
+//   1 named_same_pc : both groups pass the same `bar.sync 3, 256` instruction (store before, load after)
+//   2 syncthreads   : __syncthreads() instead (control: must be clean)
+//   3 no_barrier    : no barrier at all (control: a real race, must be reported)
+// Build and run (scripts/gpu_check.sh does this with RACECHECK_PROBE=1):
+//   nvcc -arch=sm_90 -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu
+//   for k in 0 1 2 3; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+__device__ __forceinline__ void bar_sync_3_256() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
+
+__global__ void probe(int mode, int* out) {
+  __shared__ int buf[128];
+  const int tid = threadIdx.x;
+  const bool writer = tid < 128;
+  int v = -1;
+  if (mode == 0) {
+    if (writer) {
+      buf[tid] = tid * 3 + 1;
+      bar_sync_3_256();
+    } else {
+      bar_sync_3_256();
+      v = buf[255 - tid];
+    }
+  } else if (mode == 1) {
+    if (writer) buf[tid] = tid * 3 + 1;
+    bar_sync_3_256();
+    if (!writer) v = buf[255 - tid];
+  } else if (mode == 2) {
+    if (writer) buf[tid] = tid * 3 + 1;
+    __syncthreads();
+    if (!writer) v = buf[255 - tid];
+  } else {
+    if (writer) buf[tid] = tid * 3 + 1;
+    if (!writer) v = buf[255 - tid];
+  }
+  if (!writer) out[tid - 128] = v;
+}
+
+int main(int argc, char** argv) {
+  const int mode = argc > 1 ? std::atoi(argv[1]) : 0;
+  int* d = nullptr;
+  CHECK(cudaMalloc(&d, 128 * sizeof(int)));
+  probe<<<1, 256>>>(mode, d);
+  CHECK(cudaGetLastError());
+  int h[128];
+  CHECK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int i = 0; i < 128; ++i) bad += h[i] != (127 - i) * 3 + 1;
+  std::printf("racecheck_probe mode %d: %d wrong values\n", mode, bad);
+  CHECK(cudaFree(d));
+  return 0;
+}
