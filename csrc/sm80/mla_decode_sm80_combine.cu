@@ -30,10 +30,18 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a,
 }
 
 // One CTA of 128 threads per (request, row); thread i owns output dims 4i..4i+3, so each split's partial
-// row (2 KB) is read fully coalesced and the loop over splits keeps 8 independent loads in flight.
+// row (2 KB) is read fully coalesced. The merge is latency-bound (a few KB per CTA, from L2), so it is
+// written for few dependent round trips: the split LSEs are read in parallel (one per thread) and reduced
+// through shuffles, their weights go through shared memory, and the partial rows are read 16 splits at
+// a time (the version before read the LSEs in a serial loop and 8 rows at a time: ~5 us for 32 splits).
+constexpr int kCombineChunk = kCombineThreads;  // splits whose weights are staged in smem at a time
+constexpr int kCombineInFlight = 16;            // partial rows loaded before the first is used
+
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
   grid_dependency_wait();  // the main kernel's partial outputs (PDL); every CTA, before any early exit
+  __shared__ float sW[kCombineChunk];
+  __shared__ float sMax[kCombineThreads / 32];
   const int tid = threadIdx.x;
   const int rows = p.Sq * p.H;
   const long long idx = blockIdx.x;
@@ -44,8 +52,16 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
   const int t = grow / p.H, h = grow % p.H;
   const float* lse_p = p.ws_lse + (long long)first * rows + grow;
 
-  float m = -INFINITY;
-  for (int j = 0; j < ns; ++j) m = fmaxf(m, __ldg(lse_p + (long long)j * rows));
+  // max of the split LSEs: thread i reads splits i, i + 128, ...; the first chunk's value is kept
+  const float lse0 = tid < ns ? __ldg(lse_p + (long long)tid * rows) : -INFINITY;
+  float m = lse0;
+  for (int j = tid + kCombineThreads; j < ns; j += kCombineThreads) m = fmaxf(m, __ldg(lse_p + (long long)j * rows));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) sMax[tid >> 5] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kCombineThreads / 32; ++w) m = fmaxf(m, sMax[w]);
 
   Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_stride_b + (long long)t * p.o_stride_s + (long long)h * p.o_stride_h;
   float* lse_out = p.lse + (long long)b * p.lse_stride_b + (long long)h * p.lse_stride_h + t;
@@ -58,26 +74,29 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4* src = reinterpret_cast<const float4*>(p.ws_o + ((long long)first * rows + grow) * kDimCkv) + tid;
   const long long split_stride = (long long)rows * kDimCkv / 4;  // in float4
-  int j = 0;
-  for (; j + 8 <= ns; j += 8) {
-    float4 v[8];
-    float w[8];
+  for (int c0 = 0; c0 < ns; c0 += kCombineChunk) {
+    const int n = min(kCombineChunk, ns - c0);
+    if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk's weights
+    if (tid < n) sW[tid] = exp2f((c0 == 0 ? lse0 : __ldg(lse_p + (long long)(c0 + tid) * rows)) - m);
+    __syncthreads();
+    int j = 0;
+    for (; j + kCombineInFlight <= n; j += kCombineInFlight) {
+      float4 v[kCombineInFlight];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      v[u] = __ldg(src + (long long)(j + u) * split_stride);
-      w[u] = exp2f(__ldg(lse_p + (long long)(j + u) * rows) - m);
-    }
+      for (int u = 0; u < kCombineInFlight; ++u) v[u] = __ldg(src + (long long)(c0 + j + u) * split_stride);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      sum += w[u];
-      acc.x += w[u] * v[u].x; acc.y += w[u] * v[u].y; acc.z += w[u] * v[u].z; acc.w += w[u] * v[u].w;
+      for (int u = 0; u < kCombineInFlight; ++u) {
+        const float w = sW[j + u];
+        sum += w;
+        acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
+      }
     }
-  }
-  for (; j < ns; ++j) {
-    const float4 v = __ldg(src + (long long)j * split_stride);
-    const float w = exp2f(__ldg(lse_p + (long long)j * rows) - m);
-    sum += w;
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    for (; j < n; ++j) {
+      const float4 v = __ldg(src + (long long)(c0 + j) * split_stride);
+      const float w = sW[j];
+      sum += w;
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
   }
   // empty splits have w = 0 and a zero partial O; sum >= 1 since the max split contributes exp2(0)
   const float inv = 1.f / sum;

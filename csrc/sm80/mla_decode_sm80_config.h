@@ -63,7 +63,6 @@ struct WsTileConfig {
   static constexpr int kPVCols = kDimCkv / kPVWarps;   // 128 output dims per PV warp
   static constexpr int kPVNTiles = kPVCols / 8;
   static constexpr int kMinStages = 3;                 // two tiles in flight (1 would expose the full latency)
-  static constexpr int kDefaultStages = 4;             // measured best on the H200 (api: decode_impl)
   static_assert(kKSlice % 16 == 0 && kEPT % 4 == 0, "tile shape");
 
   static constexpr int smem_bytes(int stages) {

@@ -115,7 +115,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   check_strides(k, "k");
   check_strides(v, "v");
   check_strides(out, "out");
-  MLA_CHECK(Sq <= int64_t(65535) * 64, "fmha_fwd_sm90: (max_)seqlen_q too large for the grid");
+  // one CTA per (head, batch, 64-row M-block) in a 1-D grid (the 64/64 config's M-block is 192 rows)
+  MLA_CHECK(B * Hq * ((Sq + 63) / 64) < (int64_t(1) << 31), "fmha_fwd_sm90: batch * heads * M-blocks too large for the grid");
 
   c10::cuda::CUDAGuard guard(q.device());
   if (B == 0 || Hq == 0 || rows_q == 0 || Sq == 0) return;

@@ -278,13 +278,13 @@ def test_public_attention(dims, mask):
 
 
 # ---------------------------------------------------------------------------------------------
-def bench(ext=None, B=2, H=16, S=8192, reps=None):
+def bench(ext=None, B=2, H=16, S=8192, reps=None, dims=((192, 128), (128, 128), (64, 64))):
     """Median times of the kernel and SDPA cuDNN in one process; prints TF/s."""
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     ext = ext or _load()
     rows = []
-    for d, dv in [(192, 128), (128, 128), (64, 64)]:
+    for d, dv in dims:
         for causal in (False, True):
             g = torch.Generator(device=DEV).manual_seed(0)
             q = _rand((B, S, H, d), torch.bfloat16, g)
@@ -335,4 +335,10 @@ if __name__ == "__main__":
     if "--smoke" in sys.argv:
         smoke()
     if "--bench" in sys.argv:
-        bench()
+        # --shape B,H,S (repeatable; default 2,16,8192) and --dims 192 (repeatable) narrow the bench
+        args = sys.argv[1:]
+        shapes = [tuple(int(x) for x in args[i + 1].split(",")) for i, a in enumerate(args) if a == "--shape"]
+        want = [int(args[i + 1]) for i, a in enumerate(args) if a == "--dims"]
+        dims = [dd for dd in [(192, 128), (128, 128), (64, 64)] if not want or dd[0] in want]
+        for B, H, S in shapes or [(2, 16, 8192)]:
+            bench(B=B, H=H, S=S, dims=dims)
