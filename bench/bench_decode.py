@@ -7,7 +7,8 @@ Cases (bf16, one new token, random shuffled page tables):
 Beside each, the SDPA baseline in the same run: torch.nn.functional.scaled_dot_product_attention over
 the same cache gathered into a dense (B, S, 576) tensor, heads folded into the query length (MQA, so the
 cache is not expanded H times; the gather itself is not timed).
-Metrics: median time (triton.testing.do_bench, else CUDA events), cache GB/s = B*S*576*2 bytes / time,
+Metrics: median time (triton.testing.do_bench, else CUDA events) of the call on a stream and replayed from
+a CUDA graph (as a serving loop runs it), cache GB/s = B*S*576*2 bytes / time,
 TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Writes JSON to bench/results/ and prints a table.
 
     python bench/bench_decode.py [--quick] [--sweep] [--out FILE.json]   # default: bench/results/decode-<date>-<gpu>-<commit>.json
@@ -52,6 +53,19 @@ def bench_ms(fn) -> float:
         return ts[len(ts) // 2]
 
 
+def graph_ms(fn) -> float:
+    """Median time of fn replayed from a CUDA graph (how a serving loop runs a decode step: no host work)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay)
+
+
 def make_case(B, S, H, Sq, page, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages_per = S // page
@@ -76,10 +90,12 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     fn()
     torch.cuda.synchronize()
     ms = bench_ms(fn)
+    gms = graph_ms(fn)
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
-           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9}
+           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
+           "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6}
     if sdpa:
         try:
             dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
@@ -144,13 +160,14 @@ def main(argv=None):
         rows.append(r)
         print(json.dumps(r), flush=True)
     dev = torch.cuda.get_device_name()
-    hdr = f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>13} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | {'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}"
+    hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>13} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
+           f"{'graph us':>8} {'GB/s':>7} | {'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
     print(f"\nmla_decode_sm80 on {dev}\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
         tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
-              f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {s}")
+              f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | {s}")
     meta = stamp()
     meta.update({"device": dev, "rows": rows})
     if args.out:
