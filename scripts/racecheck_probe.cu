@@ -6,9 +6,13 @@
 //   1 named_same_pc : both groups pass the same `bar.sync 3, 256` instruction (store before, load after)
 //   2 syncthreads   : __syncthreads() instead (control: must be clean)
 //   3 no_barrier    : no barrier at all (control: a real race, must be reported)
+//   4 ring          : the decode kernel's protocol: 8 hand-offs through a double buffer, one
+//                     `bar.sync 3, 256` per hand-off reached from different code by the two groups
+//   5 ring_bar1     : as 4, and the writers also sync among themselves (`bar.sync 1, 128`) before each
+//                     store, as the decode kernel's QK warps do
 // Build and run (scripts/gpu_check.sh does this with RACECHECK_PROBE=1):
 //   nvcc -arch=sm_90 -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu
-//   for k in 0 1 2 3; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
+//   for k in 0 1 2 3 4 5; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
@@ -24,8 +28,11 @@
 
 __device__ __forceinline__ void bar_sync_3_256() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
 
+__device__ __forceinline__ void bar_sync_1_128() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
 __global__ void probe(int mode, int* out) {
   __shared__ int buf[128];
+  __shared__ int ring[2][128];
   const int tid = threadIdx.x;
   const bool writer = tid < 128;
   int v = -1;
@@ -45,9 +52,23 @@ __global__ void probe(int mode, int* out) {
     if (writer) buf[tid] = tid * 3 + 1;
     __syncthreads();
     if (!writer) v = buf[255 - tid];
-  } else {
+  } else if (mode == 3) {
     if (writer) buf[tid] = tid * 3 + 1;
     if (!writer) v = buf[255 - tid];
+  } else {
+    // 8 hand-offs; the readers sum what they read, so the expected value is the same as above
+    int acc = 0;
+    for (int j = 0; j < 8; ++j) {
+      if (writer) {
+        if (mode == 5) bar_sync_1_128();
+        ring[j & 1][tid] = (j == 7) ? tid * 3 + 1 : j;
+        bar_sync_3_256();
+      } else {
+        bar_sync_3_256();
+        acc += ring[j & 1][255 - tid];
+      }
+    }
+    if (!writer) v = acc - (0 + 1 + 2 + 3 + 4 + 5 + 6);
   }
   if (!writer) out[tid - 128] = v;
 }
