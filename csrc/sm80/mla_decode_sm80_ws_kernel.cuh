@@ -14,10 +14,10 @@
 // finished PV(j-1), which orders P(j)/alpha(j) before PV(j) and PV(j-1) before the reuse of its P buffer
 // and KV stage. No __syncthreads in the loop. (An earlier bar.arrive producer let the QK warps run two
 // tiles ahead, with S-2 tiles in flight: 187 us against this version's 177 us at H=16, B=128, S=4096.)
-// compute-sanitizer racecheck still reports hazards between the QK warps' stores before kBarPFull /
-// kBarFinal and the PV warps' loads after them (docs/perf/mla_decode_sm80.md): open. The ordering argument above, and 170 GPU tests with NaN-poisoned outputs,
-// say the hand-off is correct; branch decode-barrier-nonaligned (never run) uses the non-aligned
-// barrier.sync form that PTX asks for when two groups meet at one barrier from different code.
+// compute-sanitizer racecheck reports hazards between the QK warps' stores before kBarPFull / kBarFinal
+// and the PV warps' loads after them. scripts/racecheck_probe.cu gets the same reports from a minimal,
+// ordered hand-off as soon as the writers also sync among themselves on a second named barrier (kBarQK
+// here), and none without it: read as a racecheck false positive, kept open in docs/perf/mla_decode_sm80.md.
 // Pipeline: S stages; after the hand-off of tile j the QK warps issue tile j+S-1 into the stage PV(j-1)
 // released, so S-1 tiles are in flight beside the one being computed. Page ids are staged in a smem ring
 // D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
