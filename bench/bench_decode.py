@@ -30,40 +30,14 @@ sys.path.insert(0, str(ROOT))
 from mla_autograd._build import load_family  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import stamp, write  # noqa: E402
+from common import graph_ms, median_ms, stamp, write  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
 AUTO = (0, 0, 0, -1, -1, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow, ws, pdl): automatic
 
 
 def bench_ms(fn) -> float:
-    try:
-        import triton.testing
-        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-    except ImportError:
-        for _ in range(10):
-            fn()
-        ts = []
-        for _ in range(50):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); fn(); b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        ts.sort()
-        return ts[len(ts) // 2]
-
-
-def graph_ms(fn) -> float:
-    """Median time of fn replayed from a CUDA graph (how a serving loop runs a decode step: no host work)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench_ms(g.replay)
+    return median_ms(fn, warmup_ms=25, rep_ms=200)
 
 
 def make_case(B, S, H, Sq, page, dtype, seed=0):
@@ -90,7 +64,7 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     fn()
     torch.cuda.synchronize()
     ms = bench_ms(fn)
-    gms = graph_ms(fn)
+    gms = graph_ms(fn, timer=bench_ms)
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),

@@ -20,10 +20,8 @@ error and the rest go on. Results go to bench/results/layer-<date>-<gpu>-<commit
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time

@@ -18,19 +18,38 @@ def median_ms(fn, warmup_ms: float = 50, rep_ms: float = 250) -> float:
         from triton.testing import do_bench
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     except ImportError:  # CUDA events fallback
-        for _ in range(5):
-            fn()
+        return events_ms(fn)
+
+
+def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median of CUDA-event times of fn(), one call at a time (synchronized: host launch costs included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(30):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        times.sort()
-        return times[len(times) // 2]
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def graph_ms(fn, timer=median_ms) -> float:
+    """timer() of fn replayed from a CUDA graph (captured after one warm-up call on a side stream): the
+    call's GPU time without host work, as a serving loop that captures its decode step sees it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timer(g.replay)
 
 
 def commit() -> str:

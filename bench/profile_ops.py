@@ -15,7 +15,6 @@ the top kernels by total time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,33 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mla_autograd as M  # noqa: E402
-
-
-def event_ms(fn, iters=20, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def graph_ms(fn, iters=20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return event_ms(g.replay, iters=iters)
+from common import events_ms, graph_ms  # noqa: E402
 
 
 def queued_ms(fn, iters=10) -> float:
@@ -111,7 +84,7 @@ def run_attention(dims: int, causal: bool) -> None:
         o = M.attention(q, k, v, causal=causal)
         torch.autograd.grad(o, (q, k, v), do)
 
-    tf, tfb = event_ms(fwd), event_ms(fwd_bwd)
+    tf, tfb = events_ms(fwd), events_ms(fwd_bwd)
     print(f"attention {dqk}/{dv} causal={causal}: fwd {tf:.3f} ms, fwd+bwd {tfb:.3f} ms (bwd by difference "
           f"{tfb - tf:.3f} ms)")
     kernel_table("attention fwd+bwd", fwd_bwd)
@@ -131,7 +104,7 @@ def run_decode(B: int, S: int, H: int) -> None:
     lse = torch.empty(B, H, 1, dtype=torch.float32, device="cuda")
     fn = lambda: ext.decode(qn, qp, buf[..., :512], buf[..., 512:], table, lens, out, lse, 192 ** -0.5, False)  # noqa: E731
     gb = B * S * 576 * 2 / 1e9
-    te, tg = event_ms(fn, iters=50), graph_ms(fn, iters=50)
+    te, tg = events_ms(fn, iters=50), graph_ms(fn, timer=lambda f: events_ms(f, iters=50))
     print(f"decode B={B} S={S} H={H}: stream {te * 1e3:.1f} us ({gb / te * 1e3:.0f} GB/s), CUDA graph "
           f"{tg * 1e3:.1f} us ({gb / tg * 1e3:.0f} GB/s)")
     kernel_table("decode", fn, iters=20)
@@ -153,7 +126,7 @@ def run_layer() -> None:
         call(layer, x).backward(dy)
 
     f = lambda: step(ours, lambda m, h: m(h))  # noqa: E731
-    print(f"layer train step, ours: {event_ms(f, iters=10):.3f} ms")
+    print(f"layer train step, ours: {events_ms(f, iters=10):.3f} ms")
     kernel_table("layer ours", f, iters=3, top=25)
     if BL.transformers is None:
         return
@@ -165,7 +138,7 @@ def run_layer() -> None:
     rot = BL.DeepseekV3RotaryEmbedding(cfg).to(dev)
     pos = torch.arange(4096, device=dev)[None]
     g = lambda: step(hf, lambda m, h: m(h, rot(h, pos), None)[0])  # noqa: E731
-    print(f"layer train step, transformers sdpa: {event_ms(g, iters=10):.3f} ms")
+    print(f"layer train step, transformers sdpa: {events_ms(g, iters=10):.3f} ms")
     kernel_table("layer transformers sdpa", g, iters=3, top=25)
 
 

@@ -95,25 +95,36 @@ def _check(actual, ref, base, eps, name):
         assert err <= 2 * be + eps, f"{name}: err {err:.3e} > 2 x {be:.3e} + {eps}"
 
 
-def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0):
-    torch.manual_seed(seed)
+def _call_tensors(lens, H, Sq, dtype):
+    """Fresh random queries, the lengths, and NaN-poisoned outputs for one decode call."""
     B = len(lens)
-    ckv, kpe, table = _paged_cache(lens, page_size, dtype, fused, seed)
     q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
     q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
     lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+    return q_nope, q_pe, seqlens, out, lse
+
+
+def _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out, lse, causal, tag=""):
+    """out / lse of a finished call against the float32 reference, with the 2x-of-plain-PyTorch rule."""
+    ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
+                                            softmax_scale=SCALE, causal=causal)
+    base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, lens, SCALE, causal)
+    _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {tag}")
+    _check(lse, ref_l.float(), base_l, 1e-4, f"lse {tag}")
+
+
+def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0):
+    torch.manual_seed(seed)
+    ckv, kpe, table = _paged_cache(lens, page_size, dtype, fused, seed)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, dtype)
     if splits:
         ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal, splits)
     else:
         ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)
     torch.cuda.synchronize()
-    ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
-                                            softmax_scale=SCALE, causal=causal)
-    base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, lens, SCALE, causal)
-    _check(out.float(), ref_o.float(), base_o.float(), 1e-5, "out")
-    _check(lse, ref_l.float(), base_l, 1e-4, "lse")
+    _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out, lse, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -187,12 +198,7 @@ def test_decode_cuda_graph(ext):
     dtype, H, Sq, page = torch.bfloat16, 16, 2, 16
     cap_lens = [4097, 1000, 300, 64]
     ckv, kpe, table = _paged_cache(cap_lens, page, dtype, True, 3)
-    B = len(cap_lens)
-    q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
-    q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
-    seqlens = torch.tensor(cap_lens, dtype=torch.int32, device=DEV)
-    out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
-    lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(cap_lens, H, Sq, dtype)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (builds, allocates workspace) outside the capture
@@ -208,11 +214,7 @@ def test_decode_cuda_graph(ext):
         lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
-                                                softmax_scale=SCALE, causal=True)
-        base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, new_lens, SCALE, True)
-        _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {new_lens}")
-        _check(lse, ref_l.float(), base_l, 1e-4, f"lse {new_lens}")
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, new_lens, out, lse, True, tag=str(new_lens))
 
 
 def test_decode_back_to_back(ext):
@@ -224,26 +226,16 @@ def test_decode_back_to_back(ext):
     dtype, H, Sq, page = torch.bfloat16, 16, 1, 64
     cap = [9000, 4097, 1000, 17]
     ckv, kpe, table = _paged_cache(cap, page, dtype, True, 5)
-    B = len(cap)
     calls = []
     for i in range(12):
         lens = [int(torch.randint(0, c + 1, ()).item()) for c in cap] if i % 3 else list(cap)
-        q_nope = torch.randn(B, Sq, H, 512, dtype=dtype, device=DEV)
-        q_pe = torch.randn(B, Sq, H, 64, dtype=dtype, device=DEV)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        out = torch.full((B, Sq, H, 512), float("nan"), dtype=dtype, device=DEV)
-        lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
-        calls.append((lens, q_nope, q_pe, seqlens, out, lse))
+        calls.append((lens, *_call_tensors(lens, H, Sq, dtype)))
     torch.cuda.synchronize()
     for lens, q_nope, q_pe, seqlens, out, lse in calls:
         ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, False)
     torch.cuda.synchronize()
     for lens, q_nope, q_pe, seqlens, out, lse in calls:
-        ref_o, ref_l = reference.decode_forward(q_nope.float(), q_pe.float(), ckv.float(), kpe.float(), table, seqlens,
-                                                softmax_scale=SCALE, causal=False)
-        base_o, base_l = _baseline(q_nope, q_pe, ckv, kpe, table, lens, SCALE, False)
-        _check(out.float(), ref_o.float(), base_o.float(), 1e-5, f"out {lens}")
-        _check(lse, ref_l.float(), base_l, 1e-4, f"lse {lens}")
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out, lse, False, tag=str(lens))
 
 
 def test_decode_rejects_bad_inputs(ext):
