@@ -207,6 +207,45 @@ def test_rejects_bad_input(ext):
     assert "RAISED dims: True" in r.stdout and "RAISED heads: True" in r.stdout, r.stdout + r.stderr
 
 
+_L2_GROUP_SCRIPT = r"""
+import itertools, math, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_fmha_fwd_sm90 as t
+ext = t._load()
+g = torch.Generator(device="cuda").manual_seed(3)
+for (d, dv), (causal, br) in itertools.product([(192, 128), (128, 128), (64, 64)], t.MASKS):
+    # dense: 2 x 4 = 8 (head, batch) pairs, GQA 4:2
+    q = t._rand((2, 300, 4, d), torch.bfloat16, g)
+    k = t._rand((2, 517, 2, d), torch.bfloat16, g)
+    v = t._rand((2, 517, 2, dv), torch.bfloat16, g)
+    t._check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, name=f"l2 dense {d} {causal} {br}")
+    # varlen: 4 sequences (one empty) x 2 heads = 8 pairs, M-blocks past a sequence's end exit
+    lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device="cuda", dtype=torch.int32)
+    q = t._rand((sum(lq), 2, d), torch.bfloat16, g)
+    k = t._rand((sum(lk), 2, d), torch.bfloat16, g)
+    v = t._rand((sum(lk), 2, dv), torch.bfloat16, g)
+    t._check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
+             msq=max(lq), msk=max(lk), name=f"l2 varlen {d} {causal} {br}")
+print("L2-GROUP-OK")
+"""
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_l2_group_launch_order(group):
+    """The launch order takes (head, batch) pairs in L2-sized groups (tile_coord in the kernel); the other
+    tests' shapes fit one group, so force smaller ones: 8 pairs in groups of 3 (3, 3, 2: a smaller last
+    group) and of 1, dense and varlen, every dims pair and mask. MLA_FWD_SM90_L2_GROUP is read once per
+    process, hence the subprocess."""
+    import os
+    import subprocess
+    env = dict(os.environ, MLA_FWD_SM90_L2_GROUP=str(group))
+    r = subprocess.run([sys.executable, "-c", _L2_GROUP_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and "L2-GROUP-OK" in r.stdout, f"rc={r.returncode}: {r.stdout[-2000:]} {r.stderr[-3000:]}"
+
+
 try:
     from hypothesis import given, settings, strategies as st, HealthCheck
 
