@@ -160,17 +160,20 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
         q = q.view(*h.shape[:-1], self.num_heads, self.qk_head_dim)
-        return q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
+        # split, not two slices: the backward of a split is one concatenation, while each slice's backward
+        # zero-fills a tensor of the whole shape and the two are added (three extra passes over q's grad)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_nope, q_pe
 
     def _latents(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ckv = self.kv_a_proj_with_mqa(h)
-        c, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank:]
+        c, k_pe = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def _expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent (..., r) + roped shared key (..., d_rope) -> per-head K (..., H, Dqk), V (..., H, Dv)."""
         kv = self.kv_b_proj(c).view(*c.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv[..., : self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # one backward concat (see _queries)
         k_pe = k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.qk_rope_head_dim)
         return torch.cat([k_nope, k_pe], dim=-1), v
 

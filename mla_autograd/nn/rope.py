@@ -109,11 +109,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     """
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cd)
+    # unbind / chunk rather than two slices: their backward is one stack / concatenation, where each
+    # slice's backward would zero-fill a tensor of x's whole shape and the two would be added
     if interleaved:
-        x1, x2 = xc[..., 0::2], xc[..., 1::2]
+        x1, x2 = xc.unflatten(-1, (-1, 2)).unbind(-1)
     else:
-        half = x.shape[-1] // 2
-        x1, x2 = xc[..., :half], xc[..., half:]
+        x1, x2 = xc.chunk(2, dim=-1)
     c, s = cos.to(cd), sin.to(cd)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
