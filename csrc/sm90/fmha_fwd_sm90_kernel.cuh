@@ -453,8 +453,9 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 
 // ------------------------------------------------------------------------------------------------
 // (head, batch) pairs per L2 group (tile_coord): as many as have their K/V in a quarter of the device's L2.
-// Smaller groups measured faster (H200, B=2 H=16 S=8192, kernel TF/s, two runs, 2 / ~5 (K/V in half the L2) / 8
-// pairs per group: 192/128 649 / 643 / 635, 128/128 617 / 604 / 601; all heads interleaved: 593 / 561).
+// Smaller groups measured faster (H200, 60 MB L2, B=2 H=16 S=8192, kernel TF/s over three runs, 2 / 6-7 (half
+// the L2) / 8 pairs per group: 192/128 649 / 643 / 635, 128/128 617 / 604 / 601; all heads interleaved: 593 /
+// 561). A quarter of the L2 gives 3 pairs there: 642 / 608 in the final run.
 // MLA_FWD_SM90_L2_GROUP=N forces N; 0 interleaves all heads (the order before, for A/B runs).
 inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb) {
   static int const env = [] {
