@@ -77,7 +77,7 @@ if [ "$MODE" != "--bench-only" ]; then
   if [ -n "${RACECHECK_PROBE:-}" ]; then  # does racecheck model named barriers? (scripts/racecheck_probe.cu)
     say "== racecheck probe"
     nvcc -arch=sm_90 -lineinfo -o "$WORK/racecheck_probe" scripts/racecheck_probe.cu >"$WORK/probe_build.log" 2>&1 || say "probe build failed"
-    for k in 0 1 2 3 4 5; do
+    for k in 0 1 2 3 4 5 6; do
       compute-sanitizer --tool racecheck "$WORK/racecheck_probe" $k >"$WORK/probe_$k.log" 2>&1
       say "probe $k rc=$?: $(grep -E "racecheck_probe mode|RACECHECK SUMMARY" "$WORK/probe_$k.log" | tr '\n' ' ')"
     done

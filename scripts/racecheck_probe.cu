@@ -10,9 +10,12 @@
 //                     `bar.sync 3, 256` per hand-off reached from different code by the two groups
 //   5 ring_bar1     : as 4, and the writers also sync among themselves (`bar.sync 1, 128`) before each
 //                     store, as the decode kernel's QK warps do
+//   6 ring_mbar     : as 5 with an mbarrier (arrive + parity wait) for the writers' own sync instead of
+//                     `bar.sync 1, 128`: does racecheck keep the ordering then?
 // Build and run (scripts/gpu_check.sh does this with RACECHECK_PROBE=1):
 //   nvcc -arch=sm_90 -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu
-//   for k in 0 1 2 3 4 5; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
+//   for k in 0 1 2 3 4 5 6; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
@@ -30,9 +33,24 @@ __device__ __forceinline__ void bar_sync_3_256() { asm volatile("bar.sync 3, 256
 
 __device__ __forceinline__ void bar_sync_1_128() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 
+// The 128 writers meet at an mbarrier: each arrives, then waits for the phase to complete.
+__device__ __forceinline__ void mbar_sync(uint32_t bar, uint32_t& parity) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}\n"
+      :: "r"(bar), "r"(parity) : "memory");
+  parity ^= 1u;
+}
+
 __global__ void probe(int mode, int* out) {
   __shared__ int buf[128];
   __shared__ int ring[2][128];
+  __shared__ __align__(8) unsigned long long mbar;
+  const uint32_t mbar_a = static_cast<uint32_t>(__cvta_generic_to_shared(&mbar));
+  if (threadIdx.x == 0) asm volatile("mbarrier.init.shared.b64 [%0], 128;" :: "r"(mbar_a) : "memory");
+  __syncthreads();
+  uint32_t parity = 0;
   const int tid = threadIdx.x;
   const bool writer = tid < 128;
   int v = -1;
@@ -61,6 +79,7 @@ __global__ void probe(int mode, int* out) {
     for (int j = 0; j < 8; ++j) {
       if (writer) {
         if (mode == 5) bar_sync_1_128();
+        if (mode == 6) mbar_sync(mbar_a, parity);
         ring[j & 1][tid] = (j == 7) ? tid * 3 + 1 : j;
         bar_sync_3_256();
       } else {
