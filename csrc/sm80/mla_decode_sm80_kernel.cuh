@@ -97,7 +97,11 @@ struct WorkItem {
   int b, kv_begin, kv_end, n_tiles;
   bool final_out;  // the request has one split: write out/lse, not the split workspace
 };
+// It is the first thing each main-kernel CTA does, so it also carries the PDL hand-off (launch.h): let the
+// merge kernel launch, then wait for the metadata kernel's schedule before reading it.
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
+  allow_dependent_launch();
+  grid_dependency_wait();
   WorkItem w;
   w.b = p.sched_items[item * 4 + 0];
   w.kv_begin = p.sched_items[item * 4 + 2];
@@ -172,8 +176,6 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
-  allow_dependent_launch();
-  grid_dependency_wait();  // the metadata kernel's schedule (PDL)
   const WorkItem w = work_item(p, item);
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;

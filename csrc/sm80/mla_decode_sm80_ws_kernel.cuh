@@ -49,8 +49,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
-  allow_dependent_launch();
-  grid_dependency_wait();  // the metadata kernel's schedule (PDL)
   const WorkItem w = work_item(p, item);
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
