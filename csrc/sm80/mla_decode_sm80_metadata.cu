@@ -104,20 +104,23 @@ int smem_bytes_for(int m_tile, int stages) {
   }
 }
 
-int max_stages_for(int m_tile, int smem_optin) {
+// The most stages in [min_stages, kMaxStages] whose shared memory (bytes(stages)) fits smem_optin; 0 if none.
+template <class Bytes>
+static int most_stages_that_fit(int min_stages, int smem_optin, Bytes bytes) {
   int best = 0;
-  for (int s = kMinStages; s <= kMaxStages; ++s)
-    if (smem_bytes_for(m_tile, s) <= smem_optin) best = s;
-  return best;  // 0: does not fit
+  for (int s = min_stages; s <= kMaxStages; ++s)
+    if (bytes(s) <= smem_optin) best = s;
+  return best;
+}
+
+int max_stages_for(int m_tile, int smem_optin) {
+  return most_stages_that_fit(kMinStages, smem_optin, [&](int s) { return smem_bytes_for(m_tile, s); });
 }
 
 int ws_max_stages_for(int m_tile, int smem_optin) {
-  int best = 0;
-  for (int s = WsTileConfig<16>::kMinStages; s <= kMaxStages; ++s) {
-    const int bytes = m_tile <= 16 ? WsTileConfig<16>::smem_bytes(s) : WsTileConfig<32>::smem_bytes(s);
-    if (bytes <= smem_optin) best = s;
-  }
-  return best;
+  return most_stages_that_fit(WsTileConfig<16>::kMinStages, smem_optin, [&](int s) {
+    return m_tile <= 16 ? WsTileConfig<16>::smem_bytes(s) : WsTileConfig<32>::smem_bytes(s);
+  });
 }
 
 }  // namespace mla_decode_sm80
