@@ -26,6 +26,7 @@
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #endif
 
+#include <cassert>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -320,8 +321,8 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
 enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
 constexpr int kDqBarThreads = 256 + 32;
 
-__device__ __forceinline__ void st_shared_u32(const void* smem_ptr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem_ptr)), "r"(v) : "memory");
+__device__ __forceinline__ void st_shared_u32_addr(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_shared_v4(const float* smem_ptr, float4 v) {
@@ -361,6 +362,44 @@ struct CtaWork {
   }
 };
 
+// The (K/V block, kv head, batch) of this CTA: blockIdx, or with heavy_first the K/V blocks
+// enumerated outermost. Causal: a K/V block's work falls with its index, so enumerate blocks
+// outermost (all heads and batches of block 0 first): the longest CTAs start first, and in
+// deterministic mode block n-1 of every head (whose dQ adds block n waits for) is dispatched a whole
+// round before block n.
+__device__ __forceinline__ void cta_coords(const FmhaBwdSm90Params& p, int& n_block, int& hkv, int& b) {
+  n_block = blockIdx.x; hkv = blockIdx.y; b = blockIdx.z;
+  if (p.heavy_first) {
+    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int hb = gridDim.y * gridDim.z;
+    n_block = lin / hb;
+    const int r = lin - n_block * hb;
+    hkv = r % gridDim.y;
+    b = r / gridDim.y;
+  }
+}
+
+// The CtaWork of this CTA. Called by each warpgroup role after its setmaxnreg, so that the values
+// are computed where they are used instead of living across the warpgroup split (held there, they
+// spilled under the producer's 24 registers).
+template <int BM, int BN>
+__device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int n_block, int hkv, int b) {
+  CtaWork w;
+  w.sq = get_seq<BM>(p, b);
+  w.n_block = n_block; w.hkv = hkv; w.b = b;
+  w.off = p.bottom_right ? w.sq.len_k - w.sq.len_q : 0;
+  const int m_max = (w.sq.len_q + BM - 1) / BM;
+  w.m_min = 0;
+  if (p.causal) {
+    int x = n_block * BN - w.off;
+    w.m_min = x <= 0 ? 0 : x / BM;
+  }
+  w.n_m = m_max > w.m_min ? m_max - w.m_min : 0;
+  w.group = p.hq / p.hkv;
+  w.total_iters = w.group * w.n_m;
+  return w;
+}
+
 // The smem operand tensors: Q, dO (stages), K, V, and the transposed views Q^T, dO^T, K^T.
 template <class Tr>
 __device__ __forceinline__ auto smem_operands(typename Tr::SharedStorage& ss) {
@@ -381,18 +420,32 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
   static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
   constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
   static_assert(kChunks % 2 == 0 && D % 32 == 0, "pairs of 8-column chunks; dq_store_pos swizzle");
+  // Every store address comes from two per-thread bases plus a compile-time offset (otherwise the
+  // kChunks addresses are loop-invariant values the consumers keep, or spill, across their loop).
+  // Chunk (h, j) of this thread sits at row r0 + dr, column c0 + dc, where dr (0 or 8) is even and
+  // dc = 8j (j even) is a multiple of 16; so dq_perm_pos(c0 + dc) = dq_perm_pos(c0) + dc, the row
+  // parity (the swizzle bit) is r0's, and toggling bit 4 commutes with adding a multiple of 32:
+  //   dq_store_pos(r0 + dr, c0 + dc) = dq_store_pos(r0, c0) + dc                if dc / 16 is even,
+  //                                  = dq_store_pos(r0, c0 + 16) - 16 + dc      if dc / 16 is odd.
+  // (Checked for every thread and head dim by docs/perf/fmha_bwd_sm90_addr_check.cu.)
+  const auto cd00 = tdQcdQ(make_coord(make_coord(0, 0, 0), 0, 0));
+  const int r0 = get<0>(cd00), c0 = get<1>(cd00);
+  float* const sdq_even = sdq + r0 * D + dq_store_pos(r0, c0);
+  float* const sdq_odd = sdq + r0 * D + dq_store_pos(r0, c0 + 16) - 16;
   cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
     CUTE_UNROLL
     for (int j = 0; j < kChunks; j += 2) {
-      auto c0 = make_coord(make_coord(0, h, j), 0, 0);
-      const int row = get<0>(tdQcdQ(c0)), col = get<1>(tdQcdQ(c0));
+      auto cc = make_coord(make_coord(0, h, j), 0, 0);
+      const int dr = get<0>(tdQcdQ(cc)) - r0, dc = get<1>(tdQcdQ(cc)) - c0;  // compile-time after folding
+      assert((dr & 1) == 0 && (dc & 15) == 0);
       float4 v = make_float4(tdQrdQ(make_coord(make_coord(0, h, j), 0, 0)),
                              tdQrdQ(make_coord(make_coord(1, h, j), 0, 0)),
                              tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
                              tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
-      st_shared_v4(sdq + row * D + dq_store_pos(row, col), v);  // 16-byte aligned: 4 | dq_store_pos
+      // 16-byte aligned: 4 | dq_store_pos
+      st_shared_v4(((dc >> 4) & 1 ? sdq_odd : sdq_even) + dr * D + dc, v);
     }
   }
   cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
@@ -612,6 +665,9 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
   Tensor tdSsdS0 = thr_sdp.partition_C(sdSt0);
   Tensor tdSsdS1 = thr_sdp.partition_C(sdSt1);
+  // smem addresses of this thread's first dS^T pair in each buffer (the rest: see the store)
+  const uint32_t ds_addr0 = cute::cast_smem_ptr_to_uint(&tdSsdS0(0));
+  const uint32_t ds_addr1 = cute::cast_smem_ptr_to_uint(&tdSsdS1(0));
 
   Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<BNt, DVt>{});  // (keys, dv) rows of this WG
   Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<BNt, Dt>{});
@@ -692,19 +748,26 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     // dS^T to smem for dQ: adjacent queries are adjacent in smem (a 16-byte swizzle unit keeps
     // them together), so each pair is one 4-byte st.shared. The C-layout view of the converted
     // registers has the same element order as the accumulator.
+    // Pair q = i / 2 of the thread is key row r0 + 8 (q & 1), queries 8 (q >> 1) + 2t, + 1. In the
+    // SW128 keys-major buffer (128-byte key rows, 1024-byte aligned; the 128-byte swizzle XORs the
+    // 16-byte unit index, bits 4-6 of the address, with the key row mod 8, bits 7-9) its address is
+    // the address of pair 0 with (q >> 1) XORed into bits 4-6, plus 1024 for the row + 8: one base
+    // register per buffer instead of 16 loop-invariant addresses (which spilled). Checked for every
+    // thread and both buffers against &tdSsdS0(i) / &tdSsdS1(i) by docs/perf/fmha_bwd_sm90_addr_check.cu.
     {
       Tensor tdSr_c = make_tensor(tdSr.data(), tdPrdP.layout());
       static_assert(decltype(cosize(tdPrdP.layout()))::value == decltype(size(tdPrdP))::value, "compact accumulator");
-      auto store_pairs = [&](auto& dst) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tdSr_c); i += 2) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = tdSr_c(i);
-          pair[1] = tdSr_c(i + 1);
-          st_shared_u32(&dst(i), reinterpret_cast<const uint32_t&>(pair));
-        }
-      };
-      if (it & 1) store_pairs(tdSsdS1); else store_pairs(tdSsdS0);
+      static_assert(BM * sizeof(Element) == 128 && decltype(size(tdSr_c))::value == 32, "layout the formula assumes");
+      const uint32_t ds_base = (it & 1) ? ds_addr1 : ds_addr0;
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdSr_c); i += 2) {
+        const int q = i / 2;
+        cutlass::Array<Element, 2> pair;
+        pair[0] = tdSr_c(i);
+        pair[1] = tdSr_c(i + 1);
+        st_shared_u32_addr((ds_base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024),
+                           reinterpret_cast<const uint32_t&>(pair));
+      }
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);  // both WGs' keys of dS^T are in smem
@@ -765,30 +828,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   SS& ss = *reinterpret_cast<SS*>(smem_raw);
   const FmhaBwdSm90Params& p = args.p;
 
-  int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
-  if (p.heavy_first) {
-    // Causal: a K/V block's work falls with its index, so enumerate blocks outermost (all heads and
-    // batches of block 0 first): the longest CTAs start first, and in deterministic mode block n-1 of
-    // every head (whose dQ adds block n waits for) is dispatched a whole round before block n.
-    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int hb = gridDim.y * gridDim.z;
-    n_block = lin / hb;
-    const int r = lin - n_block * hb;
-    hkv = r % gridDim.y;
-    b = r / gridDim.y;
-  }
-  const Seq sq = get_seq<BM>(p, b);
-  if (n_block * BN >= sq.len_k) return;  // whole CTA, before any barrier
-  const int off = p.bottom_right ? sq.len_k - sq.len_q : 0;
-  const int m_max = (sq.len_q + BM - 1) / BM;
-  int m_min = 0;
-  if (p.causal) {
-    int x = n_block * BN - off;
-    m_min = x <= 0 ? 0 : x / BM;
-  }
-  const int n_m = m_max > m_min ? m_max - m_min : 0;
-  const int group = p.hq / p.hkv;
-  const int total_iters = group * n_m;
+  int n_block, hkv, b;
+  cta_coords(p, n_block, hkv, b);
+  // whole CTA, before any barrier; the rest of the CTA's geometry is computed after the warpgroup
+  // split (make_cta_work), so that only the block coordinates live across it
+  if (n_block * BN >= get_seq<BM>(p, b).len_k) return;
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -808,78 +852,95 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     // ---------------------------------------------------------------- producer
     // 24 + 2 x 240 = 504 = 3 x 168, the launch allocation: setmaxnreg only moves registers inside the
     // CTA's own pool, so the producer cannot keep more while the consumers take 240 (32 here hung the
-    // consumers' setmaxnreg.inc on the H200). At 24 ptxas reports 68-148 B of spill (docs/perf).
+    // consumers' setmaxnreg.inc on the H200). Fits 24 without spill when only the block coordinates
+    // live across the split and the loops below keep running (hq, m) values (docs/perf).
     cutlass::arch::warpgroup_reg_dealloc<24>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (warp == 1 && total_iters > 0) {
-      // dQ reducer: one bulk reduce per (query head, M-block), in the consumers' order
-      cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // the smem block starts free
-      for (int it = 0; it < total_iters; ++it) {
-        const int g = it / n_m, m = m_min + it % n_m;
-        const int hq = hkv * group + g;
-        const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
-        cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
-        if (lane == 0) {
-          int* sem = p.deterministic ? p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + sq.scratch_start / BM + m
-                                     : nullptr;
-          if (sem != nullptr) {
-            while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
+    if (warp == 1) {
+      const CtaWork w = make_cta_work<BM, BN>(p, n_block, hkv, b);
+      // dQ reducer: one bulk reduce per (query head, M-block), in the consumers' order: query heads
+      // hq = hkv * group + g (g = 0 .. group-1), each with M-blocks m = m_min .. m_end-1 (running
+      // values instead of it / n_m, it % n_m; n_m > 0 when total_iters > 0)
+      if (w.total_iters > 0) {
+        cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // the smem block starts free
+        // scratch_start is a multiple of BM: scratch row of M-block m = (sblk + m) * BM
+        const int sblk = int(w.sq.scratch_start / BM);
+        const int m_min = w.m_min, m_end = w.m_min + w.n_m, hq_end = (hkv + 1) * w.group;
+        int hq = hkv * w.group, m = m_min;
+#pragma unroll 1
+        while (hq < hq_end) {
+          const int64_t srow0 = int64_t(hq) * p.scratch_rows + int64_t(sblk + m) * BM;
+          cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
+          if (lane == 0) {
+            int* sem = p.deterministic ? p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + (sblk + m) : nullptr;
+            if (sem != nullptr) {
+              while (ld_acquire_gpu(sem) != n_block) { __nanosleep(64); }
+            }
+            bulk_reduce_add_f32(p.dq_accum + srow0 * D, ss.dq.data(), uint32_t(BM * D * sizeof(float)));
+            if (sem != nullptr) {
+              // the adds must have landed before the next K/V block's CTA may add to this M-block
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+              __threadfence();
+              atomicAdd(sem, 1);
+            } else {
+              asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // smem block read
+            }
           }
-          bulk_reduce_add_f32(p.dq_accum + srow0 * D, ss.dq.data(), uint32_t(BM * D * sizeof(float)));
-          if (sem != nullptr) {
-            // the adds must have landed before the next K/V block's CTA may add to this M-block
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            __threadfence();
-            atomicAdd(sem, 1);
-          } else {
-            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // smem block read
-          }
+          __syncwarp();
+          if (++m == m_end) { m = m_min; ++hq; }
+          if (hq < hq_end) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // not the last
         }
-        __syncwarp();
-        if (it + 1 < total_iters) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);
+        if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
       }
-      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
-    if (threadIdx.x == 0 && total_iters > 0) {
-      const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
-      // K, V of this block (once)
-      Tensor mK = domain_offset(make_coord(int(sq.start_k), _0{}),
-                                args.tma_k.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
-      Tensor mV = domain_offset(make_coord(int(sq.start_k), _0{}),
-                                args.tma_v.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
-      Tensor gK = local_tile(mK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
-      Tensor gV = local_tile(mV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
-      auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_bar, Tr::kBytesK + Tr::kBytesV);
-      copy(args.tma_k.with(ss.kv_bar), tKgK, tKsK);
-      copy(args.tma_v.with(ss.kv_bar), tVgV, tVsV);
+    if (threadIdx.x == 0) {
+      const CtaWork w = make_cta_work<BM, BN>(p, n_block, hkv, b);
+      if (w.total_iters > 0) {
+        const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
+        // K, V of this block (once)
+        Tensor mK = domain_offset(make_coord(int(w.sq.start_k), _0{}),
+                                  args.tma_k.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
+        Tensor mV = domain_offset(make_coord(int(w.sq.start_k), _0{}),
+                                  args.tma_v.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
+        Tensor gK = local_tile(mK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
+        Tensor gV = local_tile(mV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
+        auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_bar, Tr::kBytesK + Tr::kBytesV);
+        copy(args.tma_k.with(ss.kv_bar), tKgK, tKsK);
+        copy(args.tma_v.with(ss.kv_bar), tVgV, tVsV);
 
-      Tensor mQall = args.tma_q.get_tma_tensor(args.shape_q);
-      Tensor mdOall = args.tma_do.get_tma_tensor(args.shape_do);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int it = 0; it < total_iters; ++it) {
-        const int g = it / n_m, m = m_min + it % n_m;
-        const int hq = hkv * group + g;
-        Tensor mQ = domain_offset(make_coord(int(sq.start_q), _0{}), mQall(_, _, hq, bcoord));
-        Tensor mdO = domain_offset(make_coord(int(sq.start_q), _0{}), mdOall(_, _, hq, bcoord));
-        Tensor gQ = local_tile(mQ, Shape<Int<BM>, Int<D>>{}, make_coord(m, _0{}));
-        Tensor gdO = local_tile(mdO, Shape<Int<BM>, Int<DV>>{}, make_coord(m, _0{}));
-        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        cutlass::arch::ClusterBarrier::wait(&ss.empty_bar[stage], phase ^ 1);
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage],
-                                                                       Tr::kBytesQ + Tr::kBytesdO + Tr::kBytesRowStats);
-        copy(args.tma_q.with(ss.full_bar[stage]), tQgQ, tQsQ(_, stage));
-        copy(args.tma_do.with(ss.full_bar[stage]), tdOgdO, tdOsdO(_, stage));
-        if constexpr (Tr::Swap) {
-          // scratch rows of an M-block are 64 contiguous floats at a multiple of 64: 16-byte aligned
-          const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
-          SM90_BULK_COPY_G2S::copy(p.lse_log2 + srow0, &ss.full_bar[stage], ss.lse.data() + stage * BM, BM * 4);
-          SM90_BULK_COPY_G2S::copy(p.dpsum + srow0, &ss.full_bar[stage], ss.dps.data() + stage * BM, BM * 4);
+        Tensor mQall = args.tma_q.get_tma_tensor(args.shape_q);
+        Tensor mdOall = args.tma_do.get_tma_tensor(args.shape_do);
+        const int start_q = int(w.sq.start_q);
+        const int sblk = int(w.sq.scratch_start / BM);  // see the reducer
+        const int m_min = w.m_min, m_end = w.m_min + w.n_m, hq_end = (hkv + 1) * w.group;
+        int stage = 0;
+        uint32_t phase = 0;
+        // query heads hq = hkv * group + g, each with M-blocks m_min .. m_end-1 (the reducer's order)
+        int hq = hkv * w.group, m = m_min;
+#pragma unroll 1
+        while (hq < hq_end) {
+          Tensor mQ = domain_offset(make_coord(start_q, _0{}), mQall(_, _, hq, bcoord));
+          Tensor mdO = domain_offset(make_coord(start_q, _0{}), mdOall(_, _, hq, bcoord));
+          Tensor gQ = local_tile(mQ, Shape<Int<BM>, Int<D>>{}, make_coord(m, _0{}));
+          Tensor gdO = local_tile(mdO, Shape<Int<BM>, Int<DV>>{}, make_coord(m, _0{}));
+          auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+          auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+          cutlass::arch::ClusterBarrier::wait(&ss.empty_bar[stage], phase ^ 1);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage],
+                                                                         Tr::kBytesQ + Tr::kBytesdO + Tr::kBytesRowStats);
+          copy(args.tma_q.with(ss.full_bar[stage]), tQgQ, tQsQ(_, stage));
+          copy(args.tma_do.with(ss.full_bar[stage]), tdOgdO, tdOsdO(_, stage));
+          if constexpr (Tr::Swap) {
+            // scratch rows of an M-block are 64 contiguous floats at a multiple of 64: 16-byte aligned
+            const int64_t srow0 = int64_t(hq) * p.scratch_rows + int64_t(sblk + m) * BM;
+            SM90_BULK_COPY_G2S::copy(p.lse_log2 + srow0, &ss.full_bar[stage], ss.lse.data() + stage * BM, BM * 4);
+            SM90_BULK_COPY_G2S::copy(p.dpsum + srow0, &ss.full_bar[stage], ss.dps.data() + stage * BM, BM * 4);
+          }
+          if (++stage == Stages) { stage = 0; phase ^= 1; }
+          if (++m == m_end) { m = m_min; ++hq; }
         }
-        if (++stage == Stages) { stage = 0; phase ^= 1; }
       }
     }
     return;
@@ -887,7 +948,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
-  const CtaWork w{sq, n_block, hkv, b, m_min, n_m, group, off, total_iters};
+  const CtaWork w = make_cta_work<BM, BN>(p, n_block, hkv, b);
   if constexpr (Tr::Swap) {
     consume_swapped<Tr>(args, ss, w);
   } else {
