@@ -362,21 +362,14 @@ struct CtaWork {
   }
 };
 
-// The (K/V block, kv head, batch) of this CTA: blockIdx, or with heavy_first the K/V blocks
-// enumerated outermost. Causal: a K/V block's work falls with its index, so enumerate blocks
-// outermost (all heads and batches of block 0 first): the longest CTAs start first, and in
-// deterministic mode block n-1 of every head (whose dQ adds block n waits for) is dispatched a whole
-// round before block n.
+// The (K/V block, kv head, batch) of this CTA in the launch order of p.pair_group. In deterministic
+// mode block n waits for block n-1's dQ adds of the same pair: every grouping dispatches n-1 first.
 __device__ __forceinline__ void cta_coords(const FmhaBwdSm90Params& p, int& n_block, int& hkv, int& b) {
-  n_block = blockIdx.x; hkv = blockIdx.y; b = blockIdx.z;
-  if (p.heavy_first) {
-    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int hb = gridDim.y * gridDim.z;
-    n_block = lin / hb;
-    const int r = lin - n_block * hb;
-    hkv = r % gridDim.y;
-    b = r / gridDim.y;
-  }
+  const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const mla_sm90::GroupedTile t = mla_sm90::grouped_tile(lin, gridDim.y * gridDim.z, gridDim.x, p.pair_group);
+  n_block = t.rank;
+  hkv = t.pair % gridDim.y;
+  b = t.pair / gridDim.y;
 }
 
 // The CtaWork of this CTA. Called by each warpgroup role after its setmaxnreg, so that the values
@@ -958,6 +951,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 
 // ------------------------------------------------------------------------------------------------
 // Host launcher.
+// (kv head, batch) pairs per launch group of the main kernel (FmhaBwdSm90Params::pair_group).
+// - Not causal: every CTA does the same work; one pair after another keeps that pair's Q/dO and dQ
+//   accumulator hot in L2 while its K/V blocks run.
+// - Causal, deterministic: every pair interleaved, so block n-1 (whose dQ adds block n waits for) runs
+//   a whole round earlier: on the H200 that took 192/128 from 226 to 305 TF/s and 128/128 from 279 to 438.
+// - Causal: work falls with the K/V block index. One pair after another starts each pair's longest CTA
+//   last, so the grid's last wave is uneven; every pair interleaved streams all heads' Q/dO at once (lost
+//   10% at 192/128 on the H200, 405 vs 450 TF/s). In between: groups of pairs whose Q, dO and fp32 dQ
+//   accumulator fit in a share of the L2, longest block first inside a group.
+// MLA_BWD_SM90_L2_GROUP=N forces N pairs per group (0: all), for A/B runs.
+inline int pair_group(const FmhaBwdSm90Params& p) {
+  static const int env = [] {
+    const char* e = std::getenv("MLA_BWD_SM90_L2_GROUP");
+    return e != nullptr ? std::atoi(e) : -1;
+  }();
+  const int pairs = p.hkv * p.batch;
+  if (env == 0) return pairs;
+  if (env > 0) return env < pairs ? env : pairs;
+  if (!p.causal) return 1;
+  if (p.deterministic) return pairs;
+  const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
+                          ((p.head_dim + p.head_dim_v) * 2.0 + p.head_dim * 4.0);
+  const int64_t g = per_pair > 0 ? int64_t(kFmhaBwdSm90L2GroupShare * mla_sm90::device_l2_bytes() / per_pair) : pairs;
+  return g < 1 ? 1 : (g < pairs ? int(g) : pairs);
+}
+
 template <class T, int D, int DV>
 void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
   using Element = typename CuteType<T>::type;
@@ -992,16 +1011,7 @@ void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
 
   MainArgs<Tr> args{};
   args.p = p;
-  // Heavy-first order (K/V blocks outermost) for causal problems in deterministic mode, where a CTA
-  // waits for block n-1's dQ adds: on the H200 it took causal deterministic 192/128 from 226 to 305 TF/s
-  // and 128/128 from 279 to 438. Without the semaphores it lost 10% at 192/128 (405 vs 450 TF/s: the
-  // plain order keeps one head's Q/dO hot in L2), so it stays off there. MLA_BWD_SM90_ORDER=0|1 forces
-  // plain / heavy-first for causal problems (benchmarks).
-  static const int order_env = [] {
-    const char* e = std::getenv("MLA_BWD_SM90_ORDER");
-    return (e != nullptr && (e[0] == '0' || e[0] == '1')) ? e[0] - '0' : -1;
-  }();
-  args.p.heavy_first = p.causal && (order_env < 0 ? p.deterministic : order_env == 1);
+  args.p.pair_group = pair_group(p);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});

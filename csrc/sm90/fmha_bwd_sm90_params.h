@@ -46,7 +46,10 @@ struct FmhaBwdSm90Params {
   float softmax_scale;
   float scale_log2;                // softmax_scale * log2(e)
   bool causal, bottom_right, deterministic, is_bf16;
-  bool heavy_first;                // main kernel: blockIdx enumerates K/V blocks outermost (set by the launcher)
+  // Main kernel launch order (set by the launcher): grouped_tile (sm90_attn_common.cuh) over
+  // (kv head, batch) pairs x K/V blocks, this many pairs per group, K/V block 0 (the longest under a
+  // causal mask) first. 1 = one pair after another; hkv * batch = every pair interleaved.
+  int pair_group;
 };
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu.

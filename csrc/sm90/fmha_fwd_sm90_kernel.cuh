@@ -167,23 +167,10 @@ struct OnlineSoftmax {
 };
 
 // ------------------------------------------------------------------------------------------------
-// CTA id -> (head-batch pair hb = h + hq * b, M-block). CTAs start in id order, so the CTAs resident at
-// one time have consecutive ids. The (head, batch) pairs are taken in groups of `group` whose K/V fit in
-// L2 together; inside a group the id runs over the pairs fastest, then over M-blocks from the last (the
-// longest under a causal mask) down. The resident CTAs then read the K/V of a few heads, each from DRAM
-// about once. With every head interleaved (group = all pairs: the order before) the H=128, S=4096 causal
-// 192/128 forward ran at 87% of DRAM bandwidth (ncu, H200): resident CTAs of ~130 different heads.
-struct TileCoord {
-  int hb, m_block;
-};
-__device__ __forceinline__ TileCoord tile_coord(int id, int num_hb, int num_m, int group) {
-  int const per_group = group * num_m;
-  int const g = id / per_group;
-  int const r = id - g * per_group;
-  int const gsz = min(group, num_hb - g * group);  // the last group may be smaller
-  int const m_rank = r / gsz;
-  return {g * group + (r - m_rank * gsz), num_m - 1 - m_rank};
-}
+// Launch order: grouped_tile (sm90_attn_common.cuh) over (head-batch pair hb = h + hq * b, M-block), with
+// rank r -> M-block num_m - 1 - r (the longest under a causal mask first). With every head interleaved
+// (one group: the order before) the H=128, S=4096 causal 192/128 forward ran at 87% of DRAM bandwidth
+// (ncu, H200): resident CTAs of ~130 different heads, each streaming its own K/V.
 
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, 1)
@@ -208,10 +195,11 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 
   // ---- tile coordinates (uniform over the CTA) ----
   int const num_hb = p.hq * p.batch;
-  TileCoord const tc = tile_coord(int(blockIdx.x), num_hb, int(gridDim.x) / num_hb, p.l2_head_group);
-  int const h = tc.hb % p.hq;
-  int const b = tc.hb / p.hq;
-  int const m_block = tc.m_block;
+  int const num_m = int(gridDim.x) / num_hb;
+  GroupedTile const tc = grouped_tile(int(blockIdx.x), num_hb, num_m, p.l2_head_group);
+  int const h = tc.pair % p.hq;
+  int const b = tc.pair / p.hq;
+  int const m_block = num_m - 1 - tc.rank;
   bool const varlen = p.cu_seqlens_q != nullptr;
   SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
   if (m_block * kBM >= si.seqlen_q) return;  // beyond this sequence (varlen): whole CTA leaves
@@ -452,7 +440,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// (head, batch) pairs per L2 group (tile_coord): as many as have their K/V in a quarter of the device's L2.
+// (head, batch) pairs per L2 group (grouped_tile): as many as have their K/V in a quarter of the device's L2.
 // Smaller groups measured faster (H200, 60 MB L2, B=2 H=16 S=8192, kernel TF/s over three runs, 2 / 6-7 (half
 // the L2) / 8 pairs per group: 192/128 649 / 643 / 635, 128/128 617 / 604 / 601; all heads interleaved: 593 /
 // 561). A quarter of the L2 gives 3 pairs there: 642 / 608 in the final run.
@@ -464,15 +452,9 @@ inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb) {
   }();
   if (env == 0) return num_hb;
   if (env > 0) return env < num_hb ? env : num_hb;
-  static int const l2_bytes = [] {
-    int dev = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
-      bytes = 50 << 20;
-    return bytes;
-  }();
   // K/V bytes per query head (GQA: a K/V head serves hq / hkv consecutive query heads)
   double const per_head = double(p.seqlen_k) * (p.dqk + p.dv) * 2.0 * p.hkv / p.hq;
-  int64_t g = per_head > 0 ? int64_t(0.25 * l2_bytes / per_head) : num_hb;
+  int64_t g = per_head > 0 ? int64_t(0.25 * device_l2_bytes() / per_head) : num_hb;
   if (g < 1) g = 1;
   return g < num_hb ? int(g) : num_hb;
 }

@@ -30,7 +30,7 @@ struct FmhaFwdSm90Params {
   int const* cu_seqlens_k;
 
   // Launch order (set by the launcher): heads are taken in groups of this many (head, batch) pairs whose
-  // K/V fit in L2 together; see tile_coord in fmha_fwd_sm90_kernel.cuh.
+  // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
   int l2_head_group;
 
   float softmax_scale;

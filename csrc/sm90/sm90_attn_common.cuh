@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -74,6 +75,37 @@ struct MaskInfo {
     return false;
   }
 };
+
+// ------------------------------------------------------------------------------------------------
+// L2-grouped launch order. CTAs start in id order, so the CTAs resident at one time have consecutive
+// ids. Tiles are (pair, block) with pair = (head, batch) and `num_blocks` blocks per pair; the pairs are
+// taken in groups of `group` whose operands fit in L2 together, and inside a group the id runs over the
+// pairs fastest, then over the blocks by rank (rank 0 first). Each kernel maps rank to its longest block
+// first (forward causal: the last M-block; backward causal: K/V block 0), so a group's last CTAs are
+// short ones and the grid's tail is small. group = num_pairs: every pair interleaved.
+struct GroupedTile {
+  int pair, rank;
+};
+__device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int num_blocks, int group) {
+  int const per_group = group * num_blocks;
+  int const g = id / per_group;
+  int const r = id - g * per_group;
+  int const gsz = min(group, num_pairs - g * group);  // the last group may be smaller
+  int const rank = r / gsz;
+  return {g * group + (r - rank * gsz), rank};
+}
+
+// L2 size of the current device in bytes (50 MiB if the query fails), read once per process: the
+// launchers size their grouped_tile groups by it.
+inline int device_l2_bytes() {
+  static int const bytes = [] {
+    int dev = 0, b = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&b, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
+      b = 50 << 20;
+    return b;
+  }();
+  return bytes;
+}
 
 // ------------------------------------------------------------------------------------------------
 // SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).

@@ -7,7 +7,8 @@ kernel). Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plai
 in the same dtype (mla_autograd.testing.naive_attention) + eps. Gradients are NaN-poisoned before
 the call so unwritten elements fail.
 
-`python tests/gpu/test_fmha_bwd_sm90.py --bench` times the kernel beside cuDNN (B=2 H=16 S=8192).
+`python tests/gpu/test_fmha_bwd_sm90.py --bench [--causal-only] [--no-det]` times the kernel beside cuDNN
+(B=2 H=16 S=8192); MLA_BWD_SM90_L2_GROUP=N in the environment forces the launch grouping.
 """
 from __future__ import annotations
 
@@ -152,6 +153,53 @@ def test_deterministic(ext, dims):
                 assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), "deterministic mode not bit-identical"
 
 
+_GROUP_SCRIPT = r"""
+import hashlib, itertools, math, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import test_fmha_bwd_sm90 as t
+from mla_autograd._build import load_family
+ext = load_family("fmha_bwd_sm90")
+h = hashlib.sha256()
+for (d, dv), (causal, br), det in itertools.product(t.DIMS, t.MASKS, (False, True)):
+    # 3 batches x 3 kv heads = 9 (kv head, batch) pairs: groups of 4 are 4, 4, 1
+    q, k, v = t._inputs((3, 301, 6, d), (3, 250, 3, d), (3, 250, 3, dv), torch.bfloat16, seed=d + causal)
+    grads = t._run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br,
+                             deterministic=det)
+    if det:
+        for g in grads:
+            h.update(g.view(torch.int16).cpu().numpy().tobytes())
+lq, lk = [0, 130, 64, 257], [70, 200, 1, 300]
+cu_q = torch.tensor([0, *itertools.accumulate(lq)], device="cuda", dtype=torch.int32)
+cu_k = torch.tensor([0, *itertools.accumulate(lk)], device="cuda", dtype=torch.int32)
+for (d, dv), (causal, br) in itertools.product(t.DIMS, t.MASKS):
+    q, k, v = t._inputs((sum(lq), 4, d), (sum(lk), 2, d), (sum(lk), 2, dv), torch.bfloat16, seed=5)
+    t._run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
+                     msq=max(lq), msk=max(lk))
+print("GROUP-OK", h.hexdigest())
+"""
+
+
+def test_launch_groups():
+    """The main kernel's launch order takes (kv head, batch) pairs in groups (pair_group in the kernel
+    header); the other tests' problems are small enough to fit one group. Force 1 (one pair after
+    another), 4 (9 pairs: 4, 4, 1, a smaller last group) and 0 (all interleaved): every order must give
+    correct gradients, dense and varlen, and deterministic mode the same bits under all three (its sums
+    run in K/V block order whatever the launch order). MLA_BWD_SM90_L2_GROUP is read once per process,
+    hence the subprocesses."""
+    import os
+    import subprocess
+    digests = []
+    for group in (1, 4, 0):
+        env = dict(os.environ, MLA_BWD_SM90_L2_GROUP=str(group))
+        r = subprocess.run([sys.executable, "-c", _GROUP_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0 and "GROUP-OK" in r.stdout, \
+            f"group {group}: rc={r.returncode}: {r.stdout[-2000:]} {r.stderr[-3000:]}"
+        digests.append(r.stdout.split("GROUP-OK")[1].split()[0])
+    assert len(set(digests)) == 1, f"deterministic gradients differ between launch orders: {digests}"
+
+
 def test_zero_length(ext):
     d, dv_ = 128, 128
     q, k, v = _inputs((2, 0, 2, d), (2, 5, 2, d), (2, 5, 2, dv_), torch.bfloat16, seed=1)
@@ -194,7 +242,10 @@ def _bench():
         return times[len(times) // 2] * 1e-3
 
     B, H, S = 2, 16, 8192
-    for (d, dv_), causal in (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True)):
+    cases = (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True))
+    if "--causal-only" in sys.argv:
+        cases = tuple(c for c in cases if c[1])
+    for (d, dv_), causal in cases:
         torch.manual_seed(0)
         q = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
         k = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
@@ -221,7 +272,7 @@ def _bench():
             res["cudnn_error"] = str(e)[:200]
         out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for det in (False, True):
+        for det in (False,) if "--no-det" in sys.argv else (False, True):
             t = timeit(lambda: ext_.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal,
                                         False, det))
             res[f"ours{'_det' if det else ''}_ms"] = round(t * 1e3, 3)

@@ -234,7 +234,7 @@ print("L2-GROUP-OK")
 
 @pytest.mark.parametrize("group", [1, 3])
 def test_l2_group_launch_order(group):
-    """The launch order takes (head, batch) pairs in L2-sized groups (tile_coord in the kernel); the other
+    """The launch order takes (head, batch) pairs in L2-sized groups (grouped_tile, sm90_attn_common.cuh); the other
     tests' shapes fit one group, so force smaller ones: 8 pairs in groups of 3 (3, 3, 2: a smaller last
     group) and of 1, dense and varlen, every dims pair and mask. MLA_FWD_SM90_L2_GROUP is read once per
     process, hence the subprocess."""
