@@ -50,4 +50,4 @@ constexpr int kFmhaBwdSm90BlockM = 64;
 
 // Causal launch groups (pair_group in fmha_bwd_sm90_kernel.cuh): the share of the L2 that one group's
 // Q, dO and fp32 dQ accumulator may fill.
-constexpr double kFmhaBwdSm90L2GroupShare = 0.5;
+constexpr double kFmhaBwdSm90L2GroupShare = 0.75;  // H200 (60 MB): 4 pairs at S=8192, d=192 or 128

@@ -957,9 +957,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 // - Causal, deterministic: every pair interleaved, so block n-1 (whose dQ adds block n waits for) runs
 //   a whole round earlier: on the H200 that took 192/128 from 226 to 305 TF/s and 128/128 from 279 to 438.
 // - Causal: work falls with the K/V block index. One pair after another starts each pair's longest CTA
-//   last, so the grid's last wave is uneven; every pair interleaved streams all heads' Q/dO at once (lost
-//   10% at 192/128 on the H200, 405 vs 450 TF/s). In between: groups of pairs whose Q, dO and fp32 dQ
-//   accumulator fit in a share of the L2, longest block first inside a group.
+//   last, so the grid's last wave is uneven; every pair interleaved streams all heads' Q/dO at once. In
+//   between: groups of pairs whose Q, dO and fp32 dQ accumulator fit in a share of the L2, longest block
+//   first inside a group; a power of two, so that groups divide the usual head counts (a small last group
+//   brings the uneven tail back). H200, B=2 H=16 S=8192, kernel TF/s (one run; cuDNN moved 453-473 / 514-538
+//   between the processes): pairs per group 1 / 2 / 3 / 4 / 6 / all:
+//   192/128 443 / 456 / 455 / 457 / 450 / 419; 128/128 528 / 541 / 542 / 556 / 531 / 526.
 // MLA_BWD_SM90_L2_GROUP=N forces N pairs per group (0: all), for A/B runs.
 inline int pair_group(const FmhaBwdSm90Params& p) {
   static const int env = [] {
@@ -973,8 +976,10 @@ inline int pair_group(const FmhaBwdSm90Params& p) {
   if (p.deterministic) return pairs;
   const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
                           ((p.head_dim + p.head_dim_v) * 2.0 + p.head_dim * 4.0);
-  const int64_t g = per_pair > 0 ? int64_t(kFmhaBwdSm90L2GroupShare * mla_sm90::device_l2_bytes() / per_pair) : pairs;
-  return g < 1 ? 1 : (g < pairs ? int(g) : pairs);
+  const double fit = per_pair > 0 ? kFmhaBwdSm90L2GroupShare * mla_sm90::device_l2_bytes() / per_pair : pairs;
+  int g = 1;
+  while (2 * g <= fit && 2 * g <= pairs) g *= 2;
+  return g;
 }
 
 template <class T, int D, int DV>
