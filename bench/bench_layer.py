@@ -16,6 +16,12 @@ error and the rest go on. Results go to bench/results/layer-<date>-<gpu>-<commit
 
     python bench/bench_layer.py                        # GPU, defaults above
     python bench/bench_layer.py --device cpu --small   # smoke test on a CPU
+    python bench/bench_layer.py --compile              # also each train row under torch.compile
+
+With --compile, the train rows are repeated with the whole layer call under torch.compile (rows
+`<name>+compile`, ours and transformers sdpa): our ops are torch.library ops with fake kernels, so the
+projections, RoPE, norms and concatenations around them fuse like any other PyTorch code. Compilation
+happens in the warmup calls and is not timed.
 """
 from __future__ import annotations
 
@@ -142,6 +148,8 @@ def bench_train(a, device, dtype, results, backends):
                     torch.cuda.empty_cache()
 
     run_rows("mla_autograd", ours, lambda m, h: m(h))
+    if a.compile:
+        run_rows("mla_autograd+compile", ours, torch.compile(lambda m, h: m(h)))
     state = {k: v.detach().clone() for k, v in ours.state_dict().items()}
     if transformers is None:
         return
@@ -161,6 +169,8 @@ def bench_train(a, device, dtype, results, backends):
                 return m(h, rot(h, pos), mask)[0]
 
             run_rows(f"transformers_{attn}", hf, call)
+            if a.compile and attn == "sdpa":
+                run_rows(f"transformers_{attn}+compile", hf, torch.compile(call))
             del hf
         except Exception as e:  # noqa: BLE001
             results[f"train/transformers_{attn}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -255,6 +265,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time the train rows under torch.compile")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="results folder")
     a = ap.parse_args(argv)
 
@@ -285,6 +296,11 @@ def main(argv=None):
             other = results.get(f"{what}/transformers_{attn}", {}).get("median_ms")
             if ours and other:
                 print(f"{what}: speedup of mla_autograd over transformers {attn}: {other / ours:.2f}x")
+        ours_c = results.get(f"{what}/mla_autograd+compile", {}).get("median_ms")
+        for other_key in ("transformers_sdpa", "transformers_sdpa+compile"):
+            other = results.get(f"{what}/{other_key}", {}).get("median_ms")
+            if ours_c and other:
+                print(f"{what}: speedup of mla_autograd+compile over {other_key}: {other / ours_c:.2f}x")
     out = stamp()
     out.update({
         "bench": "bench_layer",
@@ -292,7 +308,7 @@ def main(argv=None):
         "dtype": str(dtype).replace("torch.", ""),
         "config": {k: getattr(a, k) for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope", "rope", "v",
                                               "batch", "seqlen", "decode_batch", "decode_len", "page_size",
-                                              "warmup", "iters")},
+                                              "warmup", "iters", "compile")},
         "backends": backends,
         "results": results,
     })
