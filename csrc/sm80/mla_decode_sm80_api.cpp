@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "common/checks.h"
@@ -175,6 +176,13 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
   // Programmatic dependent launch (sm_90+): main and merge kernels start while their predecessor finishes.
   p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
+  // Warp-specialized kernel: the QK warps' own barrier, MLA_DECODE_QK_SYNC=mbar (an mbarrier) or bar (named
+  // barrier 1, the default); read once per process.
+  static const int qk_mbar = [] {
+    const char* e = std::getenv("MLA_DECODE_QK_SYNC");
+    return (e != nullptr && std::string(e) == "mbar") ? 1 : 0;
+  }();
+  p.qk_mbar = qk_mbar;
   // 16-row tiles: the four warps that sit out the QK phase issue the KV loads (auto: on).
   p.split_loaders = g_tune_split_loaders >= 0 ? g_tune_split_loaders : 1;
   // 64-row tiles: 4 QK warps + 4 loader warps during the QK phase (auto: on).
