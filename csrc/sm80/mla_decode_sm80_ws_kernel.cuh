@@ -14,10 +14,12 @@
 // finished PV(j-1), which orders P(j)/alpha(j) before PV(j) and PV(j-1) before the reuse of its P buffer
 // and KV stage. No __syncthreads in the loop. (An earlier bar.arrive producer let the QK warps run two
 // tiles ahead, with S-2 tiles in flight: 187 us against this version's 177 us at H=16, B=128, S=4096.)
-// compute-sanitizer racecheck reports hazards between the QK warps' stores before kBarPFull / kBarFinal
-// and the PV warps' loads after them. scripts/racecheck_probe.cu gets the same reports from a minimal,
-// ordered hand-off as soon as the writers also sync among themselves on a second named barrier (kBarQK
-// here), and none without it: read as a racecheck false positive, kept open in docs/perf/mla_decode_sm80.md.
+// compute-sanitizer racecheck reports 2-3 hazards between the QK warps' stores before kBarPFull / kBarFinal and
+// the PV warps' loads after them whenever the QK warps also sync among themselves on a second named barrier
+// (kBarQK); scripts/racecheck_probe.cu reproduces that on a minimal, ordered hand-off (mode 5). With that
+// sync on an mbarrier instead (p.qk_mbar, set_tuning qk_mbar=1; mode 6 of the probe) racecheck follows the
+// hand-offs and reports 0 hazards, with the same results bit for bit. The default stays the named barrier:
+// the mbarrier wait cost 3% at H=16, B=128 on the H200.
 // Pipeline: S stages; after the hand-off of tile j the QK warps issue tile j+S-1 into the stage PV(j-1)
 // released, so S-1 tiles are in flight beside the one being computed. Page ids are staged in a smem ring
 // D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
