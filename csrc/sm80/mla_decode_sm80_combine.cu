@@ -32,13 +32,14 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a,
 // One CTA of 128 threads per (request, row); thread i owns output dims 4i..4i+3, so each split's partial
 // row (2 KB) is read fully coalesced. The merge is latency-bound (a few KB per CTA, from L2), so it is
 // written for few dependent round trips: the split LSEs are read in parallel (one per thread) and reduced
-// through shuffles, their weights go through shared memory, and the partial rows are read 16 splits at
-// a time (the version before read the LSEs in a serial loop and 8 rows at a time: ~5 us for 32 splits).
+// through shuffles, their weights go through shared memory, and the partial rows are read 32 splits at
+// a time, so up to 32 splits (B=4 on 132 SMs: 32) take one round trip (an earlier version read the LSEs in
+// a serial loop and 8 rows at a time: ~5 us for 32 splits).
 constexpr int kCombineChunk = kCombineThreads;  // splits whose weights are staged in smem at a time
-constexpr int kCombineInFlight = 16;            // partial rows loaded before the first is used
+constexpr int kCombineInFlight = 32;            // partial rows loaded before the first is used
 
 template <typename Elem>
-__global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads, 1) mla_decode_combine_kernel(const DecodeParams p) {
   grid_dependency_wait();  // the main kernel's partial outputs (PDL); every CTA, before any early exit
   __shared__ float sW[kCombineChunk];
   __shared__ float sMax[kCombineThreads / 32];
@@ -79,23 +80,18 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
     if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk's weights
     if (tid < n) sW[tid] = exp2f((c0 == 0 ? lse0 : __ldg(lse_p + (long long)(c0 + tid) * rows)) - m);
     __syncthreads();
-    int j = 0;
-    for (; j + kCombineInFlight <= n; j += kCombineInFlight) {
+    // kCombineInFlight partial rows per round trip. The last round re-reads row n-1 in place of the missing
+    // ones, with weight 0: unconditional loads and FMAs (before, a remainder ran one dependent load per split)
+    for (int j = 0; j < n; j += kCombineInFlight) {
       float4 v[kCombineInFlight];
 #pragma unroll
-      for (int u = 0; u < kCombineInFlight; ++u) v[u] = __ldg(src + (long long)(c0 + j + u) * split_stride);
+      for (int u = 0; u < kCombineInFlight; ++u) v[u] = __ldg(src + (long long)(c0 + min(j + u, n - 1)) * split_stride);
 #pragma unroll
       for (int u = 0; u < kCombineInFlight; ++u) {
-        const float w = sW[j + u];
+        const float w = j + u < n ? sW[j + u] : 0.f;
         sum += w;
         acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
       }
-    }
-    for (; j < n; ++j) {
-      const float4 v = __ldg(src + (long long)(c0 + j) * split_stride);
-      const float w = sW[j];
-      sum += w;
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
   }
   // empty splits have w = 0 and a zero partial O; sum >= 1 since the max split contributes exp2(0)

@@ -70,7 +70,8 @@ struct WsTileConfig {
          + kQKWarps * M_TILE * kSStride * 4           // partial S of each QK warp
          + 2 * M_TILE * kPStride * 2                  // P, double-buffered (16-bit)
          + 3 * kQKThreads * 4                         // alpha (2 buffers) and 1/l, a slot per softmax thread
-         + kPageRing * kBlockN * 4;                   // page-id ring
+         + kPageRing * kBlockN * 4                    // page-id ring
+         + 8;                                         // the QK warps' mbarrier (8-byte aligned: every term is)
   }
 };
 

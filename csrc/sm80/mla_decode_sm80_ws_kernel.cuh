@@ -14,10 +14,12 @@
 // finished PV(j-1), which orders P(j)/alpha(j) before PV(j) and PV(j-1) before the reuse of its P buffer
 // and KV stage. No __syncthreads in the loop. (An earlier bar.arrive producer let the QK warps run two
 // tiles ahead, with S-2 tiles in flight: 187 us against this version's 177 us at H=16, B=128, S=4096.)
-// compute-sanitizer racecheck reports hazards between the QK warps' stores before kBarPFull / kBarFinal
-// and the PV warps' loads after them. scripts/racecheck_probe.cu gets the same reports from a minimal,
-// ordered hand-off as soon as the writers also sync among themselves on a second named barrier (kBarQK
-// here), and none without it: read as a racecheck false positive, kept open in docs/perf/mla_decode_sm80.md.
+// compute-sanitizer racecheck reports 2-3 hazards between the QK warps' stores before kBarPFull / kBarFinal and
+// the PV warps' loads after them whenever the QK warps also sync among themselves on a second named barrier
+// (kBarQK); scripts/racecheck_probe.cu reproduces that on a minimal, ordered hand-off (mode 5). With that
+// sync on an mbarrier instead (p.qk_mbar, set_tuning qk_mbar=1; mode 6 of the probe) racecheck follows the
+// hand-offs and reports 0 hazards, with the same results bit for bit. The default stays the named barrier:
+// the mbarrier wait cost 3% at H=16, B=128 on the H200.
 // Pipeline: S stages; after the hand-off of tile j the QK warps issue tile j+S-1 into the stage PV(j-1)
 // released, so S-1 tiles are in flight beside the one being computed. Page ids are staged in a smem ring
 // D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
@@ -33,6 +35,21 @@ namespace mla_decode_sm80 {
 template <int kId, int kCount>
 __device__ __forceinline__ void named_bar_sync() {
   asm volatile("barrier.sync %0, %1;\n" :: "n"(kId), "n"(kCount) : "memory");
+}
+
+// The 128 QK threads' own sync on an mbarrier (count kQKThreads): every thread arrives, then waits for the
+// phase to complete. Same ordering as named barrier 1, but compute-sanitizer racecheck then also follows
+// the QK -> PV hand-offs on kBarPFull / kBarFinal (scripts/racecheck_probe.cu, modes 5 and 6).
+__device__ __forceinline__ void mbar_sync(uint32_t bar, uint32_t& phase) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
+#else
+  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
+               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
+#endif
+  phase ^= 1u;
 }
 
 // Named barrier ids (0 is __syncthreads).
@@ -66,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   float* sAlpha = reinterpret_cast<float*>(sP + 2 * M_TILE * kPStride * 2);
   float* sInvL = sAlpha + 2 * Cfg::kQKThreads;
   int* sPage = reinterpret_cast<int*>(sInvL + Cfg::kQKThreads);                 // [kPageRing][kBlockN]
+  uint64_t* sQkBar = reinterpret_cast<uint64_t*>(sPage + kPageRing * kBlockN);
   const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
   const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
   const uint32_t sPage_a = static_cast<uint32_t>(__cvta_generic_to_shared(sPage));
@@ -76,8 +94,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int q4 = lane & 3;
+  const uint32_t qk_bar = static_cast<uint32_t>(__cvta_generic_to_shared(sQkBar));
+  if (p.qk_mbar) {
+    if (tid == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" :: "r"(qk_bar), "n"(Cfg::kQKThreads) : "memory");
+    __syncthreads();  // the init visible before any arrive
+  }
 
   if (warp < Cfg::kQKWarps) {
+    uint32_t qk_phase = 0;
+    auto qk_sync = [&]() {
+      if (p.qk_mbar) mbar_sync(qk_bar, qk_phase);
+      else named_bar_sync<kBarQK, Cfg::kQKThreads>();
+    };
     // =============================================================== QK warps: loads, S, softmax
     const int page_mask = p.page_size - 1;
     const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
@@ -118,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
           qf[mt][ks][3] = q_pair(r + 8, col + 8);
         }
     }
-    named_bar_sync<kBarQK, Cfg::kQKThreads>();  // prologue page ids visible
+    qk_sync();  // prologue page ids visible
 
     // KV tile loader (128 threads): warp w takes rows w, w+4, ..., each as two 512-byte ckv halves (a
     // warp instruction covers 512 contiguous bytes) and, 8 rows per instruction, the 128-byte kpe rows.
@@ -185,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
     for (int j = 0; j < n_tiles; ++j) {
       cp_async_wait_dyn(stages - 2);
-      named_bar_sync<kBarQK, Cfg::kQKThreads>();  // tile j landed for all QK threads; sS free again
+      qk_sync();  // tile j landed for all QK threads; sS free again
       const uint32_t kv_a = sKV_a + (j % stages) * kTileBytes;
       const int tok0 = kv_begin + j * kBlockN;
 
@@ -230,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
             *reinterpret_cast<float2*>(mine + (r + 8) * Cfg::kSStride + c) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
           }
       }
-      named_bar_sync<kBarQK, Cfg::kQKThreads>();  // the four partial S tiles visible
+      qk_sync();  // the four partial S tiles visible
 
       // ---- online softmax of row sr, columns [sc0, sc0 + EPT) ----
       float s[EPT];

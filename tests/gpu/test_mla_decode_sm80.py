@@ -172,12 +172,13 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
 
 @pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
                                   (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1),
-                                  (4, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0)],
+                                  (4, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0),
+                                  (0, 0, 0, -1, -1, -1, -1, 1), (3, 0, 32, -1, -1, 1, 0, 1)],
                          ids=str)
 def test_decode_launch_variants(ext, tune):
     # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows,
-    # warp-specialized kernel for 16/32-row tiles[, programmatic dependent launch]); the m-tile caps put the
-    # warp-specialized kernel on 128 heads too
+    # warp-specialized kernel for 16/32-row tiles[, programmatic dependent launch[, its QK warps' sync on an
+    # mbarrier]]); the m-tile caps put the warp-specialized kernel on 128 heads too
     ext.set_tuning(*tune)
     try:
         for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
@@ -185,6 +186,30 @@ def test_decode_launch_variants(ext, tune):
                       causal=causal, seed=H + Sq)
     finally:
         ext.set_tuning(0, 0, 0, -1, -1, -1)
+
+
+def test_decode_qk_mbarrier_same_bits(ext):
+    # The warp-specialized kernel's mbarrier mode (set_tuning qk_mbar=1, used under compute-sanitizer racecheck)
+    # changes only how its QK warps wait for each other: the results must be the same bits as the default.
+    torch.manual_seed(9)
+    for H, Sq, causal in [(16, 1, True), (8, 4, True), (32, 1, False)]:
+        lens = [4097, 0, 17, 1000, 1]
+        ckv, kpe, table = _paged_cache(lens, 64, torch.bfloat16, True, H)
+        q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+        got = []
+        for mode in (0, 1):
+            ext.set_tuning(qk_mbar=mode)
+            try:
+                out.fill_(float("nan"))
+                lse.fill_(float("nan"))
+                ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)
+                torch.cuda.synchronize()
+                got.append((out.clone(), lse.clone()))
+            finally:
+                ext.set_tuning()
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, *got[1], causal, tag=f"mbar H={H} Sq={Sq}")
+        assert torch.equal(got[0][0].view(torch.int16), got[1][0].view(torch.int16)), f"out differs, H={H} Sq={Sq}"
+        assert torch.equal(got[0][1].view(torch.int32), got[1][1].view(torch.int32)), f"lse differs, H={H} Sq={Sq}"
 
 
 def test_decode_odd_heads_and_sq(ext):
