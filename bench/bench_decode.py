@@ -9,7 +9,19 @@ the same cache gathered into a dense (B, S, 576) tensor, heads folded into the q
 cache is not expanded H times; the gather itself is not timed).
 Metrics: median time (triton.testing.do_bench, else CUDA events) of the call on a stream and replayed from
 a CUDA graph (as a serving loop runs it), cache GB/s = B*S*576*2 bytes / time,
-TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Writes JSON to bench/results/ and prints a table.
+TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Each case is timed twice: as decode() computes its own split-KV
+schedule (metadata kernel + main + merge), and with a schedule precomputed once by
+decode_schedule(seqlens, Sq, H) and passed as decode(..., schedule=) (main + merge: what every layer but
+the plan costs in a decode step). Writes JSON to bench/results/ and prints a table.
+
+Result JSON: {date, gpu, capability, torch, cuda, cudnn, commit, device, rows: [...]}; each row has
+  B, S, H, Sq, page, dtype, "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": the case
+  kernel_us, kernel_GBps, kernel_TFps   decode() with its own schedule, on a stream
+  graph_us, graph_GBps                  the same, replayed from a CUDA graph
+  sched_us, sched_GBps, sched_TFps      decode(..., schedule=precomputed), on a stream
+  sched_graph_us, sched_graph_GBps      the same, replayed from a CUDA graph
+  plan_graph_us                         decode_schedule() alone (the metadata kernel), graph replay
+  sdpa_us, sdpa_GBps, sdpa_TFps         the SDPA baseline (or sdpa_error); max_abs_diff_vs_sdpa (Sq = 1)
 
     python bench/bench_decode.py [--quick] [--sweep] [--out FILE.json]   # default: bench/results/decode-<date>-<gpu>-<commit>.json
 """
@@ -65,11 +77,22 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     torch.cuda.synchronize()
     ms = bench_ms(fn)
     gms = graph_ms(fn, timer=bench_ms)
+    # precomputed schedule: planned once (as once per decode step), reused by every timed call
+    sched = ext.decode_schedule(seqlens, Sq, H)
+    sched_fn = lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal,  # noqa: E731
+                                  schedule=sched)
+    sched_fn()
+    torch.cuda.synchronize()
+    sms_ = bench_ms(sched_fn)
+    sgms = graph_ms(sched_fn, timer=bench_ms)
+    pgms = graph_ms(lambda: ext.decode_schedule(seqlens, Sq, H), timer=bench_ms)
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
            "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
-           "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6}
+           "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6,
+           "sched_us": sms_ * 1e3, "sched_GBps": bytes_ / sms_ / 1e6, "sched_TFps": flops / sms_ / 1e9,
+           "sched_graph_us": sgms * 1e3, "sched_graph_GBps": bytes_ / sgms / 1e6, "plan_graph_us": pgms * 1e3}
     if sdpa:
         try:
             dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
@@ -135,13 +158,16 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     dev = torch.cuda.get_device_name()
     hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>13} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
-           f"{'graph us':>8} {'GB/s':>7} | {'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
+           f"{'graph us':>8} {'GB/s':>7} | {'sched us':>8} {'GB/s':>7} | {'s.graph':>8} {'GB/s':>7} {'plan us':>7} | "
+           f"{'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
     print(f"\nmla_decode_sm80 on {dev}\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
         tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
-              f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | {s}")
+              f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
+              f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
+              f"{r['plan_graph_us']:7.1f} | {s}")
     meta = stamp()
     meta.update({"device": dev, "rows": rows})
     if args.out:

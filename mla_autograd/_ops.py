@@ -1,21 +1,24 @@
 """torch.library custom ops with fake (meta) implementations.
 
-``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd`` and ``mla_autograd::mla_decode`` are opaque
-to torch.compile (no graph breaks): their fake implementations give output shapes, and at run time
-they allocate outputs, consult the dispatch table and call the chosen backend (a kernel family or
-the reference path). Inputs here are already validated by the functional API.
+``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_decode`` and
+``mla_autograd::mla_decode_schedule`` are opaque to torch.compile (no graph breaks): their fake
+implementations give output shapes, and at run time they allocate outputs, consult the dispatch table
+and call the chosen backend (a kernel family or the reference path). Inputs here are already validated
+by the functional API.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _build, reference
-from ._dispatch import Call, select
+from ._dispatch import Call, explain_call, select
 
-__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "attention_call", "decode_call"]
+__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention_call", "decode_call",
+           "schedule_numel"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -122,24 +125,111 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 @torch.library.custom_op("mla_autograd::mla_decode", mutates_args=())
 def mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
-               cache_seqlens: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+               cache_seqlens: Tensor, softmax_scale: float, causal: bool,
+               schedule: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     B, Sq, H, Dc = q_nope.shape
     if q_nope.numel() == 0:
         return q_nope.new_zeros(B, Sq, H, Dc), torch.full((B, H, Sq), float("-inf"), dtype=_lse_dtype(q_nope),
                                                            device=q_nope.device)
     d = select(decode_call(q_nope, q_pe, ckv_cache))
-    if d.family is None:
+    if d.family is None:  # the reference path needs no schedule: it is ignored
         return reference.decode_forward(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
                                         softmax_scale=softmax_scale, causal=causal)
+    if schedule is not None and schedule.numel() == 0:
+        schedule = None  # made while the table routed decode to the reference path (the kernel computes its own)
     q_nope, q_pe = _kernel_ready(q_nope), _kernel_ready(q_pe)
     out = q_nope.new_empty(B, Sq, H, Dc)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q_nope.device)
     _build.load_family(d.family).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table.contiguous(),
-                                        cache_seqlens.contiguous(), out, lse, softmax_scale, causal)
+                                        cache_seqlens.contiguous(), out, lse, softmax_scale, causal, schedule)
     return out, lse
 
 
 @mla_decode.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, causal):
+def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, causal, schedule=None):
     B, Sq, H, Dc = q_nope.shape
     return q_nope.new_empty(B, Sq, H, Dc), q_nope.new_empty((B, H, Sq), dtype=_lse_dtype(q_nope))
+
+
+# ---- the split-KV schedule of the decode kernel (plan once per decode step, run every layer) ----
+
+_schedule_families: dict = {}
+
+
+def _schedule_family(device: torch.device, seqlen_q: int, num_heads: int) -> str | None:
+    """The kernel family a decode of (Sq, H) on `device` would use, None for the reference path. The
+    schedule depends on neither dtype nor page size, so the table is asked with values the kernel takes
+    (bfloat16, (512, 64), page 64); a decode whose dtype or page size sends it to the reference path
+    ignores the schedule. Memoised (once per decode step); no fallback warning here, decode gives it."""
+    key = (device, seqlen_q, num_heads, os.environ.get("MLA_AUTOGRAD_BACKEND"))
+    fam = _schedule_families.get(key, False)
+    if fam is False:
+        call = Call(op="decode", device=device, dtype=torch.bfloat16, dims=(512, 64), causal=True,
+                    num_heads=num_heads, num_kv_heads=1, seqlen_q=seqlen_q, page_size=64)
+        fam = _schedule_families[key] = explain_call(call).family
+    return fam
+
+
+# Mirror of launch_shape() in csrc/sm80/mla_decode_sm80_api.cpp (automatic tuning, i.e. no set_tuning
+# override) for the size of a schedule; tests/gpu/test_mla_decode_sm80.py compares it with the kernel's.
+_BLOCK_N, _ROW_BYTES, _P_STRIDE, _PAGE_RING, _QK_THREADS = 32, 1152, 40, 10, 128
+
+
+def _smem_all_warps(m_tile: int, stages: int) -> int:
+    """TileConfig<m_tile>::smem_bytes for 16/32-row tiles (4 QK warp columns)."""
+    return (m_tile * _ROW_BYTES + stages * _BLOCK_N * _ROW_BYTES + m_tile * _P_STRIDE * 2 + 2 * 4 * m_tile * 4
+            + _PAGE_RING * _BLOCK_N * 4)
+
+
+def _smem_warp_specialized(m_tile: int, stages: int) -> int:
+    """WsTileConfig<m_tile>::smem_bytes."""
+    return (stages * _BLOCK_N * _ROW_BYTES + 4 * m_tile * (_BLOCK_N + 8) * 4 + 2 * m_tile * _P_STRIDE * 2
+            + 3 * _QK_THREADS * 4 + _PAGE_RING * _BLOCK_N * 4)
+
+
+def schedule_numel_for(batch: int, seqlen_q: int, num_heads: int, num_sms: int, smem_optin: int,
+                       smem_per_sm: int, num_splits: int = 0) -> int:
+    """int32 elements of the decode kernel's schedule: items (num_items, 4) then requests (B, 2), where
+    num_items = B * num_splits (forced splits) or B + num_parts, num_parts = SMs x CTAs per SM / m-blocks."""
+    if batch * seqlen_q * num_heads == 0:
+        return 0
+    rows = seqlen_q * num_heads
+    m_tile = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    mblocks = -(-rows // m_tile)
+    # 16/32-row tiles: the warp-specialized kernel (1 CTA/SM) where 3 of its stages fit, else the
+    # all-warps kernel at 2 CTAs/SM where two of 2 stages fit in half the SM's shared memory.
+    ctas = 1
+    if (m_tile <= 32 and _smem_warp_specialized(m_tile, 3) > smem_optin
+            and _smem_all_warps(m_tile, 2) <= smem_per_sm // 2 - 1024):
+        ctas = 2
+    num_parts = max(1, num_sms * ctas // mblocks)
+    num_items = batch * num_splits if num_splits > 0 else batch + num_parts
+    return num_items * 4 + batch * 2
+
+
+def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> int:
+    """Elements of mla_decode_schedule's result on `device` (0 where decode runs the reference path)."""
+    if batch * seqlen_q * num_heads == 0 or _schedule_family(device, seqlen_q, num_heads) is None:
+        return 0
+    p = torch.cuda.get_device_properties(device)
+    return schedule_numel_for(batch, seqlen_q, num_heads, p.multi_processor_count, p.shared_memory_per_block_optin,
+                              p.shared_memory_per_multiprocessor)
+
+
+@torch.library.custom_op("mla_autograd::mla_decode_schedule", mutates_args=())
+def mla_decode_schedule(cache_seqlens: Tensor, seqlen_q: int, num_heads: int) -> Tensor:
+    """The decode kernel's split-KV schedule for these lengths (int32, schedule_numel elements), computed
+    on the device; empty where decode runs the reference path (which needs none)."""
+    B = cache_seqlens.shape[0]
+    if B * seqlen_q * num_heads == 0:
+        return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
+    fam = _schedule_family(cache_seqlens.device, seqlen_q, num_heads)
+    if fam is None:
+        return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
+    return _build.load_family(fam).decode_schedule(cache_seqlens.contiguous(), seqlen_q, num_heads)
+
+
+@mla_decode_schedule.register_fake
+def _(cache_seqlens, seqlen_q, num_heads):
+    n = schedule_numel(cache_seqlens.device, cache_seqlens.shape[0], seqlen_q, num_heads)
+    return cache_seqlens.new_empty((n,), dtype=torch.int32)

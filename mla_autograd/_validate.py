@@ -37,6 +37,12 @@ def _check_last_stride(name: str, t: torch.Tensor) -> None:
                          f"call .contiguous() on it")
 
 
+def _check_count(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return v
+
+
 def _same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
@@ -44,14 +50,18 @@ def _same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
         raise TypeError(f"{name} has dtype {_name(t.dtype)} but {ref_name} has {_name(ref.dtype)}")
 
 
+def tracing_or_capturing(*tensors: torch.Tensor) -> bool:
+    """torch.compile is tracing, or a CUDA graph is being captured on the current stream (for CUDA
+    tensors): host-side checks of tensor state are skipped then."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
+
+
 def check_values_enabled(*tensors: torch.Tensor) -> bool:
     if os.environ.get("MLA_AUTOGRAD_CHECK_VALUES", "1") in ("0", ""):
         return False
-    if torch.compiler.is_compiling():
-        return False
-    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+    return not tracing_or_capturing(*tensors)
 
 
 def softmax_scale_or_default(softmax_scale, dqk: int) -> float:
@@ -112,8 +122,7 @@ def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_q (length {cu_seqlens_q.numel()}) and cu_seqlens_k (length "
                          f"{cu_seqlens_k.numel()}) must both have length batch_size + 1")
     for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"{n} must be a non-negative int, got {m!r}")
+        _check_count(n, m)
     if not check_values_enabled(q, cu_seqlens_q):
         return
     both = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu().long()
@@ -190,6 +199,53 @@ def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
         b, p = (int(x) for x in torch.nonzero(out_of_range)[0])
         raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page index in "
                          f"[0, {ckv_cache.shape[0]}) (num_pages of ckv_cache)")
+
+
+def check_decode_schedule_args(cache_seqlens, seqlen_q, num_heads) -> None:
+    """See mla_autograd.decode_schedule."""
+    _check_tensor("cache_seqlens", cache_seqlens, 1)
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {_name(cache_seqlens.dtype)}")
+    _check_count("seqlen_q", seqlen_q)
+    _check_count("num_heads", num_heads)
+
+
+def seqlens_identity(cache_seqlens: torch.Tensor) -> tuple[int | None, int | None]:
+    """(version counter, data pointer) of cache_seqlens, what a schedule records to detect staleness; None
+    for what cannot be read: both while torch.compile traces (fake tensors), the version of an inference
+    tensor (made under torch.inference_mode: it has no version counter)."""
+    if torch.compiler.is_compiling():
+        return None, None
+    version = None if cache_seqlens.is_inference() else cache_seqlens._version
+    return version, cache_seqlens.data_ptr()
+
+
+def check_decode_schedule(schedule, q_nope, cache_seqlens) -> None:
+    """A DecodeSchedule passed to decode must be for this call's (B, Sq, H) and device, and for the
+    cache_seqlens tensor of this call unchanged since. Metadata only; the staleness check is skipped under
+    torch.compile and CUDA-graph capture (as the value checks are)."""
+    from .functional import DecodeSchedule
+
+    if not isinstance(schedule, DecodeSchedule):
+        raise TypeError(f"schedule must be a DecodeSchedule from mla_autograd.decode_schedule, got "
+                        f"{type(schedule).__name__}")
+    B, Sq, H = q_nope.shape[:3]
+    again = (f"call mla_autograd.decode_schedule(cache_seqlens, seqlen_q={Sq}, num_heads={H}) for this call")
+    if (schedule.batch, schedule.seqlen_q, schedule.num_heads) != (B, Sq, H):
+        raise ValueError(f"schedule was computed for (batch, seqlen_q, num_heads) = ({schedule.batch}, "
+                         f"{schedule.seqlen_q}, {schedule.num_heads}) but q_nope has (B, Sq, H) = ({B}, {Sq}, {H}): "
+                         f"{again}")
+    if schedule.device != q_nope.device:
+        raise ValueError(f"schedule was computed on {schedule.device} but q_nope is on {q_nope.device}: {again}")
+    if tracing_or_capturing(q_nope, cache_seqlens):
+        return
+    version, ptr = seqlens_identity(cache_seqlens)
+    if schedule.seqlens_ptr is not None and ptr != schedule.seqlens_ptr:
+        raise ValueError(f"schedule is stale: it was computed from a different cache_seqlens tensor; {again}")
+    if schedule.seqlens_version is not None and version is not None and version != schedule.seqlens_version:
+        raise ValueError(f"schedule is stale: cache_seqlens was modified in place since the schedule was computed "
+                         f"(version {schedule.seqlens_version} -> {version}); {again} (once per decode step, "
+                         f"after the lengths change)")
 
 
 def check_inference_only(*tensors: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Public functional API: attention, attention_varlen, decode, explain."""
+"""Public functional API: attention, attention_varlen, decode, decode_schedule, explain."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,8 @@ from ._autograd import FusedAttentionFunction
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
 
-__all__ = ["attention", "attention_varlen", "decode", "explain", "explain_decode"]
+__all__ = ["attention", "attention_varlen", "decode", "decode_schedule", "DecodeSchedule", "explain",
+           "explain_decode"]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_align: str = "bottom_right",
@@ -70,9 +71,68 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     return (out, lse) if return_lse else out
 
 
+class DecodeSchedule:
+    """The split-KV schedule of one decode step, from `decode_schedule`; pass it to every `decode` call of
+    the step (all layers) as ``schedule=``.
+
+    Attributes:
+        tensor: int32 1-D tensor on `device` (the kernel's work items then per-request split counts;
+            empty where decode runs the reference path, which needs none).
+        batch, seqlen_q, num_heads: the (B, Sq, H) it was computed for.
+        device: the device of cache_seqlens.
+        seqlens_version, seqlens_ptr: cache_seqlens._version and data_ptr() when it was computed (None
+            where unreadable: under torch.compile; the version of an inference tensor), to detect a stale
+            schedule.
+    """
+
+    __slots__ = ("tensor", "batch", "seqlen_q", "num_heads", "device", "seqlens_version", "seqlens_ptr")
+
+    def __init__(self, tensor: Tensor, batch: int, seqlen_q: int, num_heads: int, device: torch.device,
+                 seqlens_version: int | None, seqlens_ptr: int | None):
+        self.tensor = tensor
+        self.batch, self.seqlen_q, self.num_heads, self.device = batch, seqlen_q, num_heads, device
+        self.seqlens_version, self.seqlens_ptr = seqlens_version, seqlens_ptr
+
+    def __repr__(self) -> str:
+        return (f"DecodeSchedule(batch={self.batch}, seqlen_q={self.seqlen_q}, num_heads={self.num_heads}, "
+                f"device={self.device}, numel={self.tensor.numel()})")
+
+
+def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> DecodeSchedule:
+    """Plan the split-KV work of `decode` once per decode step (as FlashMLA's get_mla_metadata).
+
+    Every layer of a decode step calls `decode` with the same cache_seqlens; by default each call first
+    runs a small scheduling kernel that splits the requests' KV ranges over the SMs. Compute that schedule
+    once here and pass it to every layer's ``decode(..., schedule=...)``: the layers then skip it (one
+    kernel launch less each) with bit-identical results.
+
+    Args:
+        cache_seqlens: int32 (B,) on the decode's device, tokens in the cache per request (the Sq new
+            ones included): the very tensor the decode calls will be given. Read on the device, never on
+            the host (no sync; CUDA-graph capturable).
+        seqlen_q: Sq, new tokens per request of the decode calls (q_nope.shape[1]).
+        num_heads: H, query heads of the decode calls (q_nope.shape[2]).
+
+    Returns:
+        A DecodeSchedule for calls with q_nope of shape (B, seqlen_q, num_heads, Dc) on this device.
+
+    Recompute it whenever the lengths change, i.e. every decode step (they grow by Sq each step): a
+    schedule only describes the lengths it was computed from. `decode` raises if cache_seqlens was
+    modified in place since (its version counter changed) or is another tensor; neither is checked under
+    torch.compile or CUDA-graph capture, nor the version of an inference tensor (created under
+    torch.inference_mode, which has none). In a captured decode step, compute the schedule inside the
+    graph (it is then recomputed at every replay) or recompute it before every replay.
+    """
+    V.check_decode_schedule_args(cache_seqlens, seqlen_q, num_heads)
+    version, ptr = V.seqlens_identity(cache_seqlens)
+    tensor = torch.ops.mla_autograd.mla_decode_schedule(cache_seqlens, int(seqlen_q), int(num_heads))
+    return DecodeSchedule(tensor, cache_seqlens.shape[0], int(seqlen_q), int(num_heads), cache_seqlens.device,
+                          version, ptr)
+
+
 def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
            cache_seqlens: Tensor, *, softmax_scale: float, causal: bool = True, return_lse: bool = False,
-           check_values: bool = True):
+           check_values: bool = True, schedule: DecodeSchedule | None = None):
     """Weight-absorbed MLA decode over a paged latent cache. Inference only.
 
     Every query head attends to the shared latent K = [ckv, kpe] (512 + 64) and V = ckv (512).
@@ -92,15 +152,22 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
             read on the host: a device sync per call). Pass False when the caller keeps them valid by
             construction, as ``nn.MLACache`` does, to keep decode steps free of host syncs. The checks
             are also skipped under torch.compile and CUDA-graph capture.
+        schedule: a DecodeSchedule from ``decode_schedule(cache_seqlens, seqlen_q=Sq, num_heads=H)``
+            for this very cache_seqlens tensor, unchanged since (recompute it every decode step). Skips
+            the kernel's own scheduling launch; results are bit-identical to ``schedule=None``. The
+            reference path ignores it.
 
     Returns:
         out (B, Sq, H, Dc) in q_nope's dtype [, lse].
     """
     V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
                    check_values=check_values)
+    if schedule is not None:
+        V.check_decode_schedule(schedule, q_nope, cache_seqlens)
     V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)
     out, lse = torch.ops.mla_autograd.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
-                                                 float(softmax_scale), bool(causal))
+                                                 float(softmax_scale), bool(causal),
+                                                 None if schedule is None else schedule.tensor)
     return (out, lse) if return_lse else out
 
 

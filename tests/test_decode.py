@@ -95,3 +95,123 @@ def test_decode_check_values_false_reads_nothing_on_the_host(monkeypatch):
     out = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, check_values=False)
     exp_out, _ = _expected(q_nope, q_pe, ckv, kpe, table, lens, 0.2, True)
     torch.testing.assert_close(out, exp_out.to(out.dtype))
+
+
+# ---- decode_schedule: plan once per decode step, pass to every layer's decode ----
+
+def _sched_case(B=3, Sq=1, H=4, lens=(5, 17, 0)):
+    lens = torch.tensor(lens, dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=32, dim_kpe=8, dtype=torch.float64)
+    q_nope = torch.randn(B, Sq, H, 32, dtype=torch.float64)
+    q_pe = torch.randn(B, Sq, H, 8, dtype=torch.float64)
+    return q_nope, q_pe, ckv, kpe, table, lens
+
+
+def test_decode_schedule_reference_path_identical():
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    s = M.decode_schedule(lens, seqlen_q=1, num_heads=4)
+    assert isinstance(s, M.DecodeSchedule)
+    assert (s.batch, s.seqlen_q, s.num_heads, s.device) == (3, 1, 4, lens.device)
+    assert s.tensor.dtype == torch.int32 and s.tensor.numel() == 0  # the reference path needs none
+    want, want_lse = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, return_lse=True)
+    for _ in range(3):  # one schedule, several "layers"
+        got, got_lse = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, return_lse=True, schedule=s)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(B=2, lens=(5, 17)), r"computed for \(batch, seqlen_q, num_heads\) = \(3, 1, 4\) but q_nope has \(B, Sq, H\) = \(2, 1, 4\)"),
+    (dict(Sq=2), r"= \(3, 1, 4\) but q_nope has \(B, Sq, H\) = \(3, 2, 4\)"),
+    (dict(H=8), r"= \(3, 1, 4\) but q_nope has \(B, Sq, H\) = \(3, 1, 8\)"),
+])
+def test_decode_schedule_wrong_shape(change, match):
+    s = M.decode_schedule(torch.tensor([5, 17, 2], dtype=torch.int32), seqlen_q=1, num_heads=4)
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case(**change)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s)
+
+
+def test_decode_schedule_wrong_device_and_type():
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    s = M.DecodeSchedule(torch.empty(0, dtype=torch.int32, device="meta"), 3, 1, 4, torch.device("meta"), None, None)
+    with pytest.raises(ValueError, match="schedule was computed on meta but q_nope is on cpu"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s)
+    with pytest.raises(TypeError, match="schedule must be a DecodeSchedule from mla_autograd.decode_schedule, got Tensor"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2,
+                 schedule=M.decode_schedule(lens, seqlen_q=1, num_heads=4).tensor)
+
+
+def test_decode_schedule_stale():
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    s = M.decode_schedule(lens, seqlen_q=1, num_heads=4)
+    M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s)
+    with pytest.raises(ValueError, match="schedule is stale: it was computed from a different cache_seqlens"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens.clone(), softmax_scale=0.2, schedule=s)
+    lens += 1  # the next step's lengths, in place
+    with pytest.raises(ValueError, match=r"schedule is stale: cache_seqlens was modified in place .*decode_schedule"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s)
+    s = M.decode_schedule(lens, seqlen_q=1, num_heads=4)  # recomputed: accepted again
+    M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s)
+
+
+def test_decode_schedule_inference_tensor():
+    # an inference tensor has no version counter: the schedule keeps only its identity
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    with torch.inference_mode():
+        lens_i = lens.clone()
+        s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
+        assert s.seqlens_version is None and s.seqlens_ptr == lens_i.data_ptr()
+        out = M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+    assert torch.equal(out, M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2))
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    ((torch.tensor([3, 4]),), TypeError, "cache_seqlens must be int32, got int64"),
+    ((torch.zeros(2, 2, dtype=torch.int32),), ValueError, "cache_seqlens must have 1 dimensions"),
+    (([3, 4],), TypeError, "cache_seqlens must be a torch.Tensor"),
+])
+def test_decode_schedule_bad_seqlens(args, exc, match):
+    with pytest.raises(exc, match=match):
+        M.decode_schedule(*args, seqlen_q=1, num_heads=4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(seqlen_q=-1, num_heads=4), "seqlen_q must be a non-negative int, got -1"),
+    (dict(seqlen_q=1, num_heads=2.0), "num_heads must be a non-negative int, got 2.0"),
+    (dict(seqlen_q=True, num_heads=4), "seqlen_q must be a non-negative int, got True"),
+])
+def test_decode_schedule_bad_counts(kw, match):
+    with pytest.raises(ValueError, match=match):
+        M.decode_schedule(torch.tensor([3], dtype=torch.int32), **kw)
+
+
+def test_decode_schedule_numel_mirror():
+    # the Python mirror of the kernel's launch_shape (the fake's size); the GPU test checks it on the device
+    from mla_autograd._ops import schedule_numel_for
+    h200 = dict(num_sms=132, smem_optin=232448, smem_per_sm=233472)
+    assert schedule_numel_for(128, 1, 16, **h200) == (128 + 132) * 4 + 128 * 2    # 16 rows: 1 m-block
+    assert schedule_numel_for(4, 1, 128, **h200) == (4 + 132 // 2) * 4 + 4 * 2    # 128 rows: 2 m-blocks of 64
+    assert schedule_numel_for(4, 2, 16, **h200) == (4 + 132) * 4 + 4 * 2         # 32 rows: one 32-row tile
+    assert schedule_numel_for(4, 3, 64, **h200) == (4 + 132 // 3) * 4 + 4 * 2     # 192 rows: 3 m-blocks
+    assert schedule_numel_for(6, 1, 16, num_splits=7, **h200) == 6 * 7 * 4 + 6 * 2
+    assert schedule_numel_for(0, 1, 16, **h200) == 0
+    # sm_86-like (99 KB): no warp-specialized kernel, two all-warps CTAs do not fit either
+    assert schedule_numel_for(2, 1, 16, num_sms=84, smem_optin=101376, smem_per_sm=102400) == (2 + 84) * 4 + 4
+    # ws does not fit but two all-warps CTAs do: num_parts counts 2 CTAs per SM
+    assert schedule_numel_for(2, 1, 16, num_sms=100, smem_optin=120000, smem_per_sm=233472) == (2 + 200) * 4 + 4
+
+
+def test_decode_schedule_opcheck_and_compile():
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case(lens=(3, 6, 1))
+    torch.library.opcheck(torch.ops.mla_autograd.mla_decode_schedule.default, (lens, 1, 4))
+    sched = torch.ops.mla_autograd.mla_decode_schedule(lens, 1, 4)
+    torch.library.opcheck(torch.ops.mla_autograd.mla_decode.default,
+                          (q_nope, q_pe, ckv, kpe, table, lens, 0.2, True, sched))
+
+    def step(qn, qp):
+        s = M.decode_schedule(lens, seqlen_q=qn.shape[1], num_heads=qn.shape[2])
+        return M.decode(qn, qp, ckv, kpe, table, lens, softmax_scale=0.2, schedule=s) * 2
+
+    f = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(f(q_nope, q_pe), step(q_nope, q_pe))

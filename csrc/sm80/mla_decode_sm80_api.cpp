@@ -1,6 +1,9 @@
 // Host layer of the mla_decode_sm80 family: validates every input, then launches on the current stream
-// the device-side scheduler, the decode kernel and (when a request was split) the merge kernel.
+// the device-side scheduler (unless the caller passes a schedule from decode_schedule), the decode kernel
+// and (when a request was split) the merge kernel.
 // No host sync: grid and workspace sizes depend on shapes only, so a decode step can be graph-captured.
+// Plan/run split (as FlashMLA's get_mla_metadata): decode_schedule(cache_seqlens, Sq, H) runs the scheduler
+// alone, once per decode step; every layer's decode(..., schedule=) then skips it.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -51,9 +54,87 @@ const DevInfo& dev_info(int device) {
   return cache[device];
 }
 
+// Launch shape of a decode call: every decision that depends only on (B, Sq, H), the device and the tuning
+// globals, among them the size of the split-KV schedule. decode() and decode_schedule() both take it from
+// here, so a schedule and the decode that consumes it agree by construction. The Python fake of
+// mla_autograd::mla_decode_schedule (_ops.py, schedule_numel_for) mirrors the size for automatic tuning; a GPU
+// test compares the two.
+struct LaunchShape {
+  int64_t B = 0, rows = 0;  // rows = Sq * H (token, head) pairs per request
+  int m_tile = 16, num_mblocks = 1;
+  bool ws = false;          // the warp-specialized kernel (when the caches' strides also fit int32: decode_impl)
+  int ws_stages = 0;        // its cp.async stages
+  int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
+  int ctas = 1;             // CTAs per SM counted by num_parts
+  int num_parts = 1;        // target number of CTAs per m-block
+  int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
+  int64_t num_items = 0;    // grid.y of the main kernel: B * force_splits, else B + num_parts
+  // int32 schedule: items[num_items][4] then reqs[B][2] (params.h)
+  int64_t sched_numel() const { return num_items * 4 + B * 2; }
+};
+
+LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, int64_t force_splits, const char* fn) {
+  LaunchShape ls;
+  ls.B = B;
+  ls.rows = Sq * H;
+  ls.m_tile = ls.rows <= 16 ? 16 : (ls.rows <= 32 ? 32 : 64);
+  if (g_tune_max_mtile >= 16) ls.m_tile = std::min(ls.m_tile, g_tune_max_mtile <= 16 ? 16 : (g_tune_max_mtile <= 32 ? 32 : 64));
+  const int m_tile = ls.m_tile;
+  ls.num_mblocks = int((ls.rows + m_tile - 1) / m_tile);
+  // All-warps kernel, 16/32-row tiles: two CTAs per SM when two fit (each with 2 stages); else one CTA with
+  // the most stages.
+  int ctas = 1, stages = mds::max_stages_for(m_tile, prop.smem_optin);
+  const int want_ctas = g_tune_ctas > 0 ? g_tune_ctas : (m_tile <= 32 ? 2 : 1);
+  if (want_ctas >= 2 && m_tile <= 32) {
+    const int per_cta = (prop.smem_per_sm / 2) - 1024;  // 1 KB per CTA reserved by the runtime
+    const int s2 = mds::max_stages_for(m_tile, per_cta);
+    if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
+  }
+  if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
+  ls.stages = stages;
+  // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
+  // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
+  const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, prop.smem_optin) : 0;
+  ls.ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && g_tune_ws != 0;
+  if (ls.ws) {
+    ls.ws_stages = g_tune_stages > 0 ? std::max(mds::WsTileConfig<16>::kMinStages, std::min(ws_stages, g_tune_stages))
+                                     : ws_stages;
+    ctas = 1;
+  }
+  ls.ctas = ctas;
+  MLA_CHECK((ls.ws ? ls.ws_stages : ls.stages) >= mds::kMinStages, fn, ": not enough shared memory per block (",
+              prop.smem_optin, " B) for the m_tile ", m_tile, " kernel");
+  ls.num_parts = std::max(1, prop.sms * ctas / ls.num_mblocks);
+  ls.num_items = force_splits > 0 ? B * force_splits : B + ls.num_parts;
+  MLA_CHECK(ls.num_items <= 65535, fn, ": too many work items (", ls.num_items, ")");
+  // A split must read more KV than its partial output costs to write and merge (rows x 2 KB).
+  ls.min_tiles = int(std::max<int64_t>(2, ls.rows * mds::kDimCkv * 4 / (2 * mds::kBlockN * mds::kRowBytes)));
+  return ls;
+}
+
+// A caller's schedule must be the int32 tensor decode_schedule() makes for this call's shapes on its device
+// (B == 0: empty). Its values are not read here (no host sync): they must come from this call's cache_seqlens
+// (the Python API checks that the lengths tensor was not modified in place since).
+void check_schedule_tensor(const at::Tensor& schedule, const c10::Device& dev) {
+  MLA_CHECK(schedule.is_cuda() && schedule.device() == dev, "decode: schedule must be on ", dev.str(),
+              " (same device as q_nope), got ", schedule.device().str());
+  MLA_CHECK(schedule.scalar_type() == at::kInt, "decode: schedule must be int32 (from decode_schedule), got ",
+              schedule.scalar_type());
+  MLA_CHECK(schedule.dim() == 1 && schedule.is_contiguous(), "decode: schedule must be a contiguous 1-D tensor, got ",
+              shape_str(schedule));
+}
+
+void check_schedule_size(const at::Tensor& schedule, int64_t need, int64_t B, int64_t Sq, int64_t H, int64_t force_splits) {
+  const std::string splits = force_splits > 0 ? ", num_splits=" + std::to_string(force_splits) : std::string();
+  MLA_CHECK(schedule.numel() == need, "decode: schedule has ", schedule.numel(), " elements but this call (B=", B,
+              ", Sq=", Sq, ", H=", H, splits, ") needs ", need, ": compute it with decode_schedule(cache_seqlens, seqlen_q=",
+              Sq, ", num_heads=", H, splits, ")");
+}
+
 void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
                  const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
-                 at::Tensor& out, at::Tensor& lse, double softmax_scale, bool causal, int64_t force_splits) {
+                 at::Tensor& out, at::Tensor& lse, double softmax_scale, bool causal, int64_t force_splits,
+                 const c10::optional<at::Tensor>& schedule) {
   // ---- validation (every argument named) ----
   MLA_CHECK(q_nope.is_cuda(), "decode: q_nope must be a CUDA tensor");
   const auto dev = q_nope.device();
@@ -106,49 +187,38 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   MLA_CHECK(std::isfinite(softmax_scale), "decode: softmax_scale must be finite");
   MLA_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
   MLA_CHECK(B <= 60000, "decode: batch (", B, ") too large for one launch");
-  if (B == 0) return;
+  if (schedule.has_value()) check_schedule_tensor(*schedule, dev);
+  if (B == 0) {
+    if (schedule.has_value()) check_schedule_size(*schedule, 0, B, Sq, H, force_splits);
+    return;
+  }
 
   c10::cuda::CUDAGuard guard(dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const DevInfo& prop = dev_info(dev.index());
   MLA_CHECK(prop.major >= 8, "decode: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
 
-  const int64_t rows = Sq * H;
-  int m_tile = rows <= 16 ? 16 : (rows <= 32 ? 32 : 64);
-  if (g_tune_max_mtile >= 16) m_tile = std::min(m_tile, g_tune_max_mtile <= 16 ? 16 : (g_tune_max_mtile <= 32 ? 32 : 64));
-  const int num_mblocks = int((rows + m_tile - 1) / m_tile);
-  // 16/32-row tiles: two CTAs per SM when two fit (each with 2 stages); else one CTA with the most stages.
-  int ctas = 1, stages = mds::max_stages_for(m_tile, prop.smem_optin);
-  const int want_ctas = g_tune_ctas > 0 ? g_tune_ctas : (m_tile <= 32 ? 2 : 1);
-  if (want_ctas >= 2 && m_tile <= 32) {
-    const int per_cta = (prop.smem_per_sm / 2) - 1024;  // 1 KB per CTA reserved by the runtime
-    const int s2 = mds::max_stages_for(m_tile, per_cta);
-    if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
-  }
-  // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
-  // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
-  const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, prop.smem_optin) : 0;
+  // Launch shape from (B, Sq, H), the device and the tuning globals (the same function sizes decode_schedule).
+  const LaunchShape ls = launch_shape(B, Sq, H, prop, force_splits, "decode");
+  // The warp-specialized kernel keeps 32-bit cache offsets: caches with larger strides take the all-warps
+  // kernel instead. The schedule shape (num_parts, num_items) stays the one launch_shape chose, so a schedule
+  // from decode_schedule() fits either kernel (any complete schedule is correct for any of them).
   const bool strides32 = std::max({ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1)}) <= INT32_MAX;
-  const bool ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && strides32 && g_tune_ws != 0;
-  if (ws) {
-    ctas = 1;
-    stages = ws_stages;
-    if (g_tune_stages > 0) stages = std::max(mds::WsTileConfig<16>::kMinStages, std::min(stages, g_tune_stages));
-  } else if (g_tune_stages > 0) {
-    stages = std::min(stages, g_tune_stages);
-  }
+  const bool ws = ls.ws && strides32;
+  const int stages = ws ? ls.ws_stages : ls.stages;
   MLA_CHECK(stages >= mds::kMinStages, "decode: not enough shared memory per block (",
-              prop.smem_optin, " B) for the m_tile ", m_tile, " kernel");
-  const int num_sms = prop.sms;
-  const int num_parts = std::max(1, num_sms * ctas / num_mblocks);
-  const int64_t num_items = force_splits > 0 ? B * force_splits : B + num_parts;
-  MLA_CHECK(num_items <= 65535, "decode: too many work items (", num_items, ")");
+              prop.smem_optin, " B) for the m_tile ", ls.m_tile, " kernel");
+  const int64_t rows = ls.rows, num_items = ls.num_items;
+  const int m_tile = ls.m_tile, num_mblocks = ls.num_mblocks;
+  if (schedule.has_value()) check_schedule_size(*schedule, ls.sched_numel(), B, Sq, H, force_splits);
 
   // Workspace (sized from shapes only): split partial O / LSE and the scheduling metadata.
   auto f32 = q_nope.options().dtype(at::kFloat);
   at::Tensor ws_o = at::empty({num_items, rows, mds::kDimCkv}, f32);
   at::Tensor ws_lse = at::empty({num_items, rows}, f32);
-  at::Tensor sched = at::empty({num_items * 4 + B * 2}, q_nope.options().dtype(at::kInt));
+  // The schedule: the caller's (computed by decode_schedule for these shapes), else a fresh one that the
+  // metadata kernel fills below.
+  at::Tensor sched = schedule.has_value() ? *schedule : at::empty({ls.sched_numel()}, q_nope.options().dtype(at::kInt));
 
   mds::DecodeParams p{};
   p.q_nope = q_nope.data_ptr(); p.q_pe = q_pe.data_ptr();
@@ -164,9 +234,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.lse = lse.data_ptr<float>(); p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
   p.ws_o = ws_o.data_ptr<float>(); p.ws_lse = ws_lse.data_ptr<float>();
   p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + num_items * 4;
-  p.num_items = int(num_items); p.num_parts = num_parts;
-  // A split must read more KV than its partial output costs to write and merge (rows x 2 KB).
-  p.min_tiles = int(std::max<int64_t>(2, rows * mds::kDimCkv * 4 / (2 * mds::kBlockN * mds::kRowBytes)));
+  p.num_items = int(num_items); p.num_parts = ls.num_parts;
+  p.min_tiles = ls.min_tiles;
   p.force_splits = int(force_splits);
   p.B = int(B); p.Sq = int(Sq); p.H = int(H);
   p.page_size = int(page_size);
@@ -187,8 +256,17 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.causal = causal;
 
   const bool bf16 = dt == at::kBFloat16;
-  mds::launch_metadata(p, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!schedule.has_value()) {
+    mds::launch_metadata(p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // With a precomputed schedule the main kernel is still a programmatic dependent (p.pdl) of whatever
+  // kernel precedes it on the stream (another layer's merge kernel, an unrelated op, or the metadata kernel
+  // of decode_schedule). Its griddepcontrol.wait (work_item, kernel.cuh) waits until that prerequisite grid
+  // has completed and its writes are visible, and returns at once when there is none (no kernel before it,
+  // or a predecessor that already finished); a predecessor that never calls launch_dependents only lets it
+  // launch at completion. The schedule was written by a metadata kernel earlier on this stream (the stream
+  // orders it, or the caller's event does when it came from another stream), so it is complete when read.
   mds::launch_decode(p, m_tile, bf16, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   mds::launch_combine(p, bf16, stream);
@@ -197,16 +275,58 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
 
 void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache, const at::Tensor& kpe_cache,
             const at::Tensor& block_table, const at::Tensor& cache_seqlens, at::Tensor out, at::Tensor lse,
-            double softmax_scale, bool causal) {
-  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0);
+            double softmax_scale, bool causal, const c10::optional<at::Tensor>& schedule) {
+  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0, schedule);
 }
 
 // Same as decode(), with every non-empty request split into `num_splits` KV ranges (tests of the merge path).
 void decode_splits(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
                    const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
-                   at::Tensor out, at::Tensor lse, double softmax_scale, bool causal, int64_t num_splits) {
+                   at::Tensor out, at::Tensor lse, double softmax_scale, bool causal, int64_t num_splits,
+                   const c10::optional<at::Tensor>& schedule) {
   MLA_CHECK(num_splits >= 1, "decode_splits: num_splits must be >= 1");
-  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits);
+  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits,
+              schedule);
+}
+
+// The split-KV schedule of decode(..., schedule=) for calls with these lengths, Sq new tokens and H heads
+// (num_splits > 0: of decode_splits with that num_splits), computed by the metadata kernel on the current
+// stream into a new int32 tensor of launch_shape(...).sched_numel() elements. One schedule serves every
+// call with the same cache_seqlens values and (B, Sq, H) on this device (all layers of a decode step); it
+// must be recomputed whenever the lengths change. B == 0: an empty tensor (decode does nothing then).
+at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, int64_t num_heads, int64_t num_splits) {
+  MLA_CHECK(cache_seqlens.is_cuda(), "decode_schedule: cache_seqlens must be a CUDA tensor, got ",
+              cache_seqlens.device().str());
+  MLA_CHECK(cache_seqlens.scalar_type() == at::kInt, "decode_schedule: cache_seqlens must be int32, got ",
+              cache_seqlens.scalar_type());
+  MLA_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.stride(0) == 1,
+              "decode_schedule: cache_seqlens must be a contiguous int32 (B,) tensor, got ", shape_str(cache_seqlens));
+  MLA_CHECK(seqlen_q >= 1 && seqlen_q <= 65536, "decode_schedule: seqlen_q must be in [1, 65536], got ", seqlen_q);
+  MLA_CHECK(num_heads >= 1 && num_heads <= 65536, "decode_schedule: num_heads must be in [1, 65536], got ", num_heads);
+  MLA_CHECK(num_splits >= 0 && num_splits <= 4096, "decode_schedule: num_splits must be in [0, 4096], got ", num_splits);
+  const int64_t B = cache_seqlens.size(0);
+  MLA_CHECK(B <= 60000, "decode_schedule: batch (", B, ") too large for one launch");
+  const auto dev = cache_seqlens.device();
+  const auto opts = cache_seqlens.options().dtype(at::kInt);
+  if (B == 0) return at::empty({0}, opts);
+
+  c10::cuda::CUDAGuard guard(dev);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const DevInfo& prop = dev_info(dev.index());
+  MLA_CHECK(prop.major >= 8, "decode_schedule: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
+  const LaunchShape ls = launch_shape(B, seqlen_q, num_heads, prop, num_splits, "decode_schedule");
+  at::Tensor sched = at::empty({ls.sched_numel()}, opts);
+
+  // Only what the metadata kernel reads: lengths, B, the part count and split sizes, the two outputs.
+  mds::DecodeParams p{};
+  p.seqlens = cache_seqlens.data_ptr<int>();
+  p.B = int(B); p.Sq = int(seqlen_q); p.H = int(num_heads);
+  p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + ls.num_items * 4;
+  p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;
+  p.force_splits = int(num_splits);
+  mds::launch_metadata(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return sched;
 }
 
 void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
@@ -232,13 +352,20 @@ void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Weight-absorbed MLA decode (mma.sync / cp.async / ldmatrix; sm_80 and sm_90)";
-  m.def("decode", &decode, "decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal)",
+  m.def("decode", &decode,
+        "decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, "
+        "schedule=None); schedule: from decode_schedule(cache_seqlens, seqlen_q, num_heads) (skips the metadata kernel)",
         py::arg("q_nope"), py::arg("q_pe"), py::arg("ckv_cache"), py::arg("kpe_cache"), py::arg("block_table"),
-        py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+        py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("schedule") = py::none());
   m.def("decode_splits", &decode_splits, "decode() with a forced number of KV splits per request (tests)",
         py::arg("q_nope"), py::arg("q_pe"), py::arg("ckv_cache"), py::arg("kpe_cache"), py::arg("block_table"),
         py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("num_splits"));
+        py::arg("num_splits"), py::arg("schedule") = py::none());
+  m.def("decode_schedule", &decode_schedule,
+        "decode_schedule(cache_seqlens, seqlen_q, num_heads, num_splits=0) -> int32 schedule for decode(..., schedule=) "
+        "(num_splits > 0: for decode_splits with that num_splits); recompute whenever cache_seqlens changes",
+        py::arg("cache_seqlens"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("num_splits") = 0);
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
         py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1);

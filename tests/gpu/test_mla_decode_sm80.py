@@ -115,6 +115,34 @@ def _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out, lse, causal, 
     _check(lse, ref_l.float(), base_l, 1e-4, f"lse {tag}")
 
 
+def _capture(fn):
+    """A CUDA graph of fn(), after one warm-up call (builds, allocates workspace) on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _replay_and_check(graph, lens_list, q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, before_replay=None):
+    """Replay a captured causal decode for each lengths list (fresh queries, poisoned outputs) and check it;
+    before_replay() runs after the new lengths are in place."""
+    for new_lens in lens_list:
+        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        if before_replay is not None:
+            before_replay()
+        q_nope.copy_(torch.randn_like(q_nope))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, new_lens, out, lse, True, tag=str(new_lens))
+
+
 def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0):
     torch.manual_seed(seed)
     ckv, kpe, table = _paged_cache(lens, page_size, dtype, fused, seed)
@@ -224,22 +252,9 @@ def test_decode_cuda_graph(ext):
     cap_lens = [4097, 1000, 300, 64]
     ckv, kpe, table = _paged_cache(cap_lens, page, dtype, True, 3)
     q_nope, q_pe, seqlens, out, lse = _call_tensors(cap_lens, H, Sq, dtype)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up (builds, allocates workspace) outside the capture
-        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
-    for new_lens in ([4097, 1000, 300, 64], [3, 0, 299, 17], [4000, 999, 1, 64], [0, 0, 0, 0]):
-        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        q_nope.copy_(torch.randn_like(q_nope))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, new_lens, out, lse, True, tag=str(new_lens))
+    graph = _capture(lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True))
+    _replay_and_check(graph, ([4097, 1000, 300, 64], [3, 0, 299, 17], [4000, 999, 1, 64], [0, 0, 0, 0]),
+                      q_nope, q_pe, ckv, kpe, table, seqlens, out, lse)
 
 
 def test_decode_back_to_back(ext):
@@ -281,6 +296,155 @@ def test_decode_rejects_bad_inputs(ext):
         c3 = torch.randn(4, 3, 576, dtype=torch.bfloat16, device=DEV)
         ext.decode(q_nope, q_pe, c3[..., :512], c3[..., 512:], table, seqlens, out, lse, SCALE, False)
 
+
+# ---- precomputed schedules (decode_schedule once per step, decode(..., schedule=) per layer) ----
+
+AUTO_TUNE = (0, 0, 0, -1, -1, -1, -1)
+
+
+def _same_bits(a, b, name):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    ai = a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32)
+    bi = b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32)
+    assert torch.equal(ai, bi), f"{name}: not bit-identical ({int((ai != bi).sum())} elements differ)"
+
+
+@pytest.mark.parametrize("tune", [AUTO_TUNE, (0, 0, 0, -1, -1, -1, 0), (0, 2, 0, -1, -1, 0, -1)],
+                         ids=["auto", "no_pdl", "all_warps_2cta"])
+@pytest.mark.parametrize("lens,H,Sq,splits", [([4097, 0, 17, 1000, 1], 16, 1, 0), ([20000, 3001, 0], 128, 2, 0),
+                                              ([513, 2, 77], 24, 3, 0), ([1000, 0, 4097, 17], 16, 1, 7)])
+def test_decode_schedule_bit_identical(ext, tune, lens, H, Sq, splits):
+    ext.set_tuning(*tune)
+    try:
+        ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, H + Sq)
+        q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+        out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        if splits:
+            ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, splits)
+            sched = ext.decode_schedule(seqlens, Sq, H, splits)
+            ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, splits, schedule=sched)
+        else:
+            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+            sched = ext.decode_schedule(seqlens, Sq, H)
+            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, schedule=sched)
+        torch.cuda.synchronize()
+        _same_bits(out2, out, "out")
+        _same_bits(lse2, lse, "lse")
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out2, lse2, True)
+    finally:
+        ext.set_tuning(*AUTO_TUNE)
+
+
+def test_decode_schedule_reused_over_layers(ext):
+    # one schedule for three "layers": different queries and caches, the same lengths (and seqlens tensor)
+    lens, H, Sq = [9000, 4097, 0, 17, 1000], 16, 1
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    sched = ext.decode_schedule(seqlens, Sq, H)
+    layers = []
+    for layer in range(3):
+        ckv, kpe, table = _paged_cache(lens, 64, torch.bfloat16, layer != 1, 100 + layer)
+        q_nope, q_pe, _, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, schedule=sched)
+        layers.append((q_nope, q_pe, ckv, kpe, table, out, lse))
+    torch.cuda.synchronize()
+    for layer, (q_nope, q_pe, ckv, kpe, table, out, lse) in enumerate(layers):
+        out1, lse1 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out1, lse1, SCALE, True)
+        torch.cuda.synchronize()
+        _same_bits(out, out1, f"out layer {layer}")
+        _same_bits(lse, lse1, f"lse layer {layer}")
+        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out, lse, True, tag=f"layer {layer}")
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["schedule_in_graph", "schedule_outside"])
+def test_decode_schedule_cuda_graph(ext, inside):
+    dtype, H, Sq, page = torch.bfloat16, 16, 2, 16
+    cap_lens = [4097, 1000, 300, 64]
+    ckv, kpe, table = _paged_cache(cap_lens, page, dtype, True, 7)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(cap_lens, H, Sq, dtype)
+    static_sched = ext.decode_schedule(seqlens, Sq, H)
+
+    def step():
+        sched = ext.decode_schedule(seqlens, Sq, H) if inside else static_sched
+        for _ in range(2):  # two "layers" share the schedule
+            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, schedule=sched)
+
+    def plan_outside():  # this step's plan, outside the graph, into the buffer the graph reads
+        static_sched.copy_(ext.decode_schedule(seqlens, Sq, H))
+
+    _replay_and_check(_capture(step), ([3, 0, 299, 17], [4097, 1000, 300, 64], [4000, 999, 1, 64], [0, 0, 0, 0]),
+                      q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, None if inside else plan_outside)
+
+
+def test_decode_schedule_fake_size_is_real_size(ext):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mla_autograd as M
+    from mla_autograd import _ops
+
+    ext.set_tuning(*AUTO_TUNE)
+    dev = torch.device(DEV, torch.cuda.current_device())
+    for B, Sq, H in [(1, 1, 16), (128, 1, 16), (4, 1, 128), (3, 2, 16), (5, 4, 128), (2, 8, 8), (7, 3, 64), (2, 1, 8)]:
+        seqlens = torch.randint(1, 5000, (B,), dtype=torch.int32, device=DEV)
+        real = ext.decode_schedule(seqlens, Sq, H).numel()
+        assert _ops.schedule_numel(dev, B, Sq, H) == real, (B, Sq, H)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.mla_autograd.mla_decode_schedule(mode.from_tensor(seqlens), Sq, H)
+        assert fake.shape == (real,) and fake.dtype == torch.int32, (B, Sq, H, tuple(fake.shape), real)
+        assert M.decode_schedule(seqlens, seqlen_q=Sq, num_heads=H).tensor.numel() == real, (B, Sq, H)
+    for splits in (1, 7):
+        seqlens = torch.randint(1, 5000, (6,), dtype=torch.int32, device=DEV)
+        p = torch.cuda.get_device_properties(dev)
+        assert ext.decode_schedule(seqlens, 1, 16, splits).numel() == _ops.schedule_numel_for(
+            6, 1, 16, p.multi_processor_count, p.shared_memory_per_block_optin, p.shared_memory_per_multiprocessor,
+            num_splits=splits)
+
+
+def test_decode_schedule_rejects_bad_schedules(ext):
+    lens, H, Sq = [513, 9, 77], 16, 1
+    ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, 1)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+    good = ext.decode_schedule(seqlens, Sq, H)
+    bad = [(ext.decode_schedule(seqlens, Sq, 128), "schedule has .* elements but this call"),  # another H
+           (good[:-1], "schedule has .* elements but this call"),
+           (good.long(), "schedule must be int32"),
+           (good.cpu(), "schedule must be on"),
+           (good.view(-1, 2), "schedule must be a contiguous 1-D tensor")]
+    torch.cuda.synchronize()
+    for sched, match in bad:
+        with pytest.raises(RuntimeError, match=match):
+            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, schedule=sched)
+    with pytest.raises(RuntimeError, match="num_splits=3"):  # decode_splits wants its own num_items
+        ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, 3, schedule=good)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all(), "a rejected call wrote its outputs"
+    with pytest.raises(RuntimeError, match="cache_seqlens must be a CUDA tensor"):
+        ext.decode_schedule(seqlens.cpu(), Sq, H)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be int32"):
+        ext.decode_schedule(seqlens.long(), Sq, H)
+    with pytest.raises(RuntimeError, match="seqlen_q must be in"):
+        ext.decode_schedule(seqlens, 0, H)
+    with pytest.raises(RuntimeError, match="num_heads must be in"):
+        ext.decode_schedule(seqlens, Sq, 0)
+
+
+def test_decode_schedule_functional_api():
+    # the public API on the kernel path: same bits with and without a schedule; stale schedules rejected
+    import mla_autograd as M
+
+    lens, H, Sq = [4097, 17, 0, 1000], 16, 2
+    ckv, kpe, table = _paged_cache(lens, 64, torch.bfloat16, True, 9)
+    q_nope, q_pe, seqlens, _, _ = _call_tensors(lens, H, Sq, torch.bfloat16)
+    with torch.inference_mode():
+        s = M.decode_schedule(seqlens, seqlen_q=Sq, num_heads=H)
+        assert s.tensor.numel() > 0 and s.tensor.device == seqlens.device
+        o1, l1 = M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, return_lse=True, schedule=s)
+        o0, l0 = M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, return_lse=True)
+        _same_bits(o1, o0, "out")
+        _same_bits(l1, l0, "lse")
+        seqlens += 1  # seqlens is a normal tensor (made outside inference_mode): its version counter moves
+        with pytest.raises(ValueError, match="schedule is stale"):  # (the idle slot's 1 < Sq: values unchecked)
+            M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, check_values=False, schedule=s)
 
 if __name__ == "__main__":  # quick diagnostics: python tests/gpu/test_mla_decode_sm80.py
     e = load_family("mla_decode_sm80")
