@@ -52,6 +52,13 @@ def decode_call(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Call:
                 page_size=ckv_cache.shape[1])
 
 
+def eager_direct(*tensors: Tensor) -> bool:
+    """Plain tensors outside torch.compile / export tracing: callers may run an op's Python body
+    (_attn_fwd, _attn_bwd, _mla_decode) directly instead of through torch.ops: the same code without
+    the Python custom-op dispatcher (~55 us of host time per call measured on a 2-core CPU)."""
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+
+
 def _empty_problem(q: Tensor, k: Tensor) -> bool:
     return q.numel() == 0 or k.shape[-3] == 0
 
@@ -76,8 +83,7 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     return out, lse
 
 
-# The op wraps the plain function; FusedAttentionFunction calls the function itself in eager mode (the
-# dispatcher of a Python custom op costs ~50 us per call on the host) and the op under torch.compile.
+# Each op wraps a plain function that eager callers may run directly (eager_direct); torch.compile sees the op.
 attn_fwd = torch.library.custom_op("mla_autograd::attn_fwd", mutates_args=())(_attn_fwd)
 
 
@@ -123,8 +129,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("mla_autograd::mla_decode", mutates_args=())
-def mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
+def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
                cache_seqlens: Tensor, softmax_scale: float, causal: bool,
                schedule: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     B, Sq, H, Dc = q_nope.shape
@@ -143,6 +148,9 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tenso
     _build.load_family(d.family).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table.contiguous(),
                                         cache_seqlens.contiguous(), out, lse, softmax_scale, causal, schedule)
     return out, lse
+
+
+mla_decode = torch.library.custom_op("mla_autograd::mla_decode", mutates_args=())(_mla_decode)
 
 
 @mla_decode.register_fake
@@ -170,50 +178,16 @@ def _schedule_family(device: torch.device, seqlen_q: int, num_heads: int) -> str
     return fam
 
 
-# Mirror of launch_shape() in csrc/sm80/mla_decode_sm80_api.cpp (automatic tuning, i.e. no set_tuning
-# override) for the size of a schedule; tests/gpu/test_mla_decode_sm80.py compares it with the kernel's.
-_BLOCK_N, _ROW_BYTES, _P_STRIDE, _PAGE_RING, _QK_THREADS = 32, 1152, 40, 10, 128
-
-
-def _smem_all_warps(m_tile: int, stages: int) -> int:
-    """TileConfig<m_tile>::smem_bytes for 16/32-row tiles (4 QK warp columns)."""
-    return (m_tile * _ROW_BYTES + stages * _BLOCK_N * _ROW_BYTES + m_tile * _P_STRIDE * 2 + 2 * 4 * m_tile * 4
-            + _PAGE_RING * _BLOCK_N * 4)
-
-
-def _smem_warp_specialized(m_tile: int, stages: int) -> int:
-    """WsTileConfig<m_tile>::smem_bytes."""
-    return (stages * _BLOCK_N * _ROW_BYTES + 4 * m_tile * (_BLOCK_N + 8) * 4 + 2 * m_tile * _P_STRIDE * 2
-            + 3 * _QK_THREADS * 4 + _PAGE_RING * _BLOCK_N * 4)
-
-
-def schedule_numel_for(batch: int, seqlen_q: int, num_heads: int, num_sms: int, smem_optin: int,
-                       smem_per_sm: int, num_splits: int = 0) -> int:
-    """int32 elements of the decode kernel's schedule: items (num_items, 4) then requests (B, 2), where
-    num_items = B * num_splits (forced splits) or B + num_parts, num_parts = SMs x CTAs per SM / m-blocks."""
+def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> int:
+    """Elements of mla_decode_schedule's result on `device` (0 where decode runs the reference path): asked
+    of the kernel family's own launch-shape code, so the fake size is the real one (under set_tuning too)."""
     if batch * seqlen_q * num_heads == 0:
         return 0
-    rows = seqlen_q * num_heads
-    m_tile = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    mblocks = -(-rows // m_tile)
-    # 16/32-row tiles: the warp-specialized kernel (1 CTA/SM) where 3 of its stages fit, else the
-    # all-warps kernel at 2 CTAs/SM where two of 2 stages fit in half the SM's shared memory.
-    ctas = 1
-    if (m_tile <= 32 and _smem_warp_specialized(m_tile, 3) > smem_optin
-            and _smem_all_warps(m_tile, 2) <= smem_per_sm // 2 - 1024):
-        ctas = 2
-    num_parts = max(1, num_sms * ctas // mblocks)
-    num_items = batch * num_splits if num_splits > 0 else batch + num_parts
-    return num_items * 4 + batch * 2
-
-
-def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> int:
-    """Elements of mla_decode_schedule's result on `device` (0 where decode runs the reference path)."""
-    if batch * seqlen_q * num_heads == 0 or _schedule_family(device, seqlen_q, num_heads) is None:
+    fam = _schedule_family(device, seqlen_q, num_heads)
+    if fam is None:
         return 0
-    p = torch.cuda.get_device_properties(device)
-    return schedule_numel_for(batch, seqlen_q, num_heads, p.multi_processor_count, p.shared_memory_per_block_optin,
-                              p.shared_memory_per_multiprocessor)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(_build.load_family(fam).schedule_numel(batch, seqlen_q, num_heads, index))
 
 
 @torch.library.custom_op("mla_autograd::mla_decode_schedule", mutates_args=())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _validate as V
+from . import _ops, _validate as V
 from ._autograd import FusedAttentionFunction
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
@@ -165,9 +165,9 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
     if schedule is not None:
         V.check_decode_schedule(schedule, q_nope, cache_seqlens)
     V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)
-    out, lse = torch.ops.mla_autograd.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
-                                                 float(softmax_scale), bool(causal),
-                                                 None if schedule is None else schedule.tensor)
+    op = _ops._mla_decode if _ops.eager_direct(q_nope, q_pe, ckv_cache, kpe_cache) else torch.ops.mla_autograd.mla_decode
+    out, lse = op(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, float(softmax_scale), bool(causal),
+                  None if schedule is None else schedule.tensor)
     return (out, lse) if return_lse else out
 
 

@@ -185,22 +185,6 @@ def test_decode_schedule_bad_counts(kw, match):
         M.decode_schedule(torch.tensor([3], dtype=torch.int32), **kw)
 
 
-def test_decode_schedule_numel_mirror():
-    # the Python mirror of the kernel's launch_shape (the fake's size); the GPU test checks it on the device
-    from mla_autograd._ops import schedule_numel_for
-    h200 = dict(num_sms=132, smem_optin=232448, smem_per_sm=233472)
-    assert schedule_numel_for(128, 1, 16, **h200) == (128 + 132) * 4 + 128 * 2    # 16 rows: 1 m-block
-    assert schedule_numel_for(4, 1, 128, **h200) == (4 + 132 // 2) * 4 + 4 * 2    # 128 rows: 2 m-blocks of 64
-    assert schedule_numel_for(4, 2, 16, **h200) == (4 + 132) * 4 + 4 * 2         # 32 rows: one 32-row tile
-    assert schedule_numel_for(4, 3, 64, **h200) == (4 + 132 // 3) * 4 + 4 * 2     # 192 rows: 3 m-blocks
-    assert schedule_numel_for(6, 1, 16, num_splits=7, **h200) == 6 * 7 * 4 + 6 * 2
-    assert schedule_numel_for(0, 1, 16, **h200) == 0
-    # sm_86-like (99 KB): no warp-specialized kernel, two all-warps CTAs do not fit either
-    assert schedule_numel_for(2, 1, 16, num_sms=84, smem_optin=101376, smem_per_sm=102400) == (2 + 84) * 4 + 4
-    # ws does not fit but two all-warps CTAs do: num_parts counts 2 CTAs per SM
-    assert schedule_numel_for(2, 1, 16, num_sms=100, smem_optin=120000, smem_per_sm=233472) == (2 + 200) * 4 + 4
-
-
 def test_decode_schedule_opcheck_and_compile():
     q_nope, q_pe, ckv, kpe, table, lens = _sched_case(lens=(3, 6, 1))
     torch.library.opcheck(torch.ops.mla_autograd.mla_decode_schedule.default, (lens, 1, 4))

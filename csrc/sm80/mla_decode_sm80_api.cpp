@@ -329,6 +329,17 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
   return sched;
 }
 
+// Elements of decode_schedule()'s result for these shapes on CUDA device `device` (no launch): the size the
+// fake of mla_autograd::mla_decode_schedule reports, from the same launch_shape().
+int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, int64_t num_splits) {
+  MLA_CHECK(batch >= 0 && batch <= 60000, "schedule_numel: batch must be in [0, 60000], got ", batch);
+  MLA_CHECK(seqlen_q >= 1 && seqlen_q <= 65536, "schedule_numel: seqlen_q must be in [1, 65536], got ", seqlen_q);
+  MLA_CHECK(num_heads >= 1 && num_heads <= 65536, "schedule_numel: num_heads must be in [1, 65536], got ", num_heads);
+  MLA_CHECK(num_splits >= 0 && num_splits <= 4096, "schedule_numel: num_splits must be in [0, 4096], got ", num_splits);
+  if (batch == 0) return 0;
+  return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, "schedule_numel").sched_numel();
+}
+
 void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
                 int64_t ws, int64_t pdl, int64_t qk_mbar) {
   MLA_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
@@ -366,6 +377,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_schedule(cache_seqlens, seqlen_q, num_heads, num_splits=0) -> int32 schedule for decode(..., schedule=) "
         "(num_splits > 0: for decode_splits with that num_splits); recompute whenever cache_seqlens changes",
         py::arg("cache_seqlens"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("num_splits") = 0);
+  m.def("schedule_numel", &schedule_numel, "int32 elements of decode_schedule()'s result on CUDA device `device`",
+        py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"), py::arg("num_splits") = 0);
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
         py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1);

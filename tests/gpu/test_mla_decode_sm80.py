@@ -394,10 +394,8 @@ def test_decode_schedule_fake_size_is_real_size(ext):
         assert M.decode_schedule(seqlens, seqlen_q=Sq, num_heads=H).tensor.numel() == real, (B, Sq, H)
     for splits in (1, 7):
         seqlens = torch.randint(1, 5000, (6,), dtype=torch.int32, device=DEV)
-        p = torch.cuda.get_device_properties(dev)
-        assert ext.decode_schedule(seqlens, 1, 16, splits).numel() == _ops.schedule_numel_for(
-            6, 1, 16, p.multi_processor_count, p.shared_memory_per_block_optin, p.shared_memory_per_multiprocessor,
-            num_splits=splits)
+        assert ext.decode_schedule(seqlens, 1, 16, splits).numel() == ext.schedule_numel(6, 1, 16, dev.index, splits)
+        assert ext.decode_schedule(seqlens, 1, 16, splits).numel() == 6 * splits * 4 + 6 * 2
 
 
 def test_decode_schedule_rejects_bad_schedules(ext):
