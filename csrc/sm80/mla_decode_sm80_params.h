@@ -47,9 +47,11 @@ struct DecodeParams {
   int split_loaders; // 1: only the warps idle during QK issue the KV cp.async (16-row tiles)
   int ws;            // 1: the warp-specialized kernel (WsTileConfig; 16/32-row tiles, one CTA per SM)
   int pdl;           // 1: main and merge kernels launched as programmatic dependents (sm_90+; launch.h)
-  int qk_mbar;       // warp-specialized kernel: the QK warps' own sync is an mbarrier (1) or named barrier 1 (0)
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
+  // Host-side launch choice, last so that the fields the kernels read keep their offsets: the warp-specialized
+  // kernel's QK warps sync on an mbarrier (1; its kQkMbar instantiation) or on named barrier 1 (0).
+  int qk_mbar;
 };
 
 // Host launchers (defined in the .cu files).

@@ -59,7 +59,9 @@ enum WsBarrier : int {
   kBarFinal = 3,     // all 256: 1/l of every row written
 };
 
-template <typename Elem, int M_TILE>
+// kQkMbar: the QK warps' own sync on an mbarrier (p.qk_mbar) instead of named barrier 1. A template
+// parameter, so the default kernel's code is exactly the one measured without the option.
+template <typename Elem, int M_TILE, bool kQkMbar>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const DecodeParams p) {
   using Cfg = WsTileConfig<M_TILE>;
   constexpr int MT = Cfg::kMTiles, KS = Cfg::kKSteps, TPR = Cfg::kTPR, EPT = Cfg::kEPT, PVN = Cfg::kPVNTiles;
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   const int g = lane >> 2;
   const int q4 = lane & 3;
   const uint32_t qk_bar = static_cast<uint32_t>(__cvta_generic_to_shared(sQkBar));
-  if (p.qk_mbar) {
+  if constexpr (kQkMbar) {
     if (tid == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" :: "r"(qk_bar), "n"(Cfg::kQKThreads) : "memory");
     __syncthreads();  // the init visible before any arrive
   }
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   if (warp < Cfg::kQKWarps) {
     uint32_t qk_phase = 0;
     auto qk_sync = [&]() {
-      if (p.qk_mbar) mbar_sync(qk_bar, qk_phase);
+      if constexpr (kQkMbar) mbar_sync(qk_bar, qk_phase);
       else named_bar_sync<kBarQK, Cfg::kQKThreads>();
     };
     // =============================================================== QK warps: loads, S, softmax
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
 template <typename Elem, int M_TILE>
 void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_ws_kernel<Elem, M_TILE>;
+  auto kernel = p.qk_mbar ? mla_decode_ws_kernel<Elem, M_TILE, true> : mla_decode_ws_kernel<Elem, M_TILE, false>;
   const int smem = WsTileConfig<M_TILE>::smem_bytes(p.stages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
