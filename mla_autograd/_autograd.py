@@ -5,7 +5,7 @@ import torch
 
 from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
 
-__all__ = ["FusedAttentionFunction"]
+__all__ = ["FusedAttentionFunction", "distinct_inputs"]
 
 
 def _no_double_backward(ctx, *grads):
@@ -16,6 +16,21 @@ def _no_double_backward(ctx, *grads):
 # Backward-of-backward lands on attn_bwd: give it a formula that says so plainly.
 torch.library.register_autograd("mla_autograd::attn_bwd", _no_double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
+
+
+def distinct_inputs(*tensors):
+    """Under torch.compile, Dynamo refuses an autograd.Function given the same tensor for several inputs
+    (self-attention written attention(x, x, x), or one cu_seqlens for queries and keys); a view of it is a
+    distinct input with the same data, and gradients flow back the same way. Outside compile, and for
+    None, the inputs pass through unchanged."""
+    if not torch.compiler.is_compiling():
+        return tensors
+    out = []
+    for t in tensors:
+        if t is not None and any(t is u for u in out):
+            t = t.view_as(t)
+        out.append(t)
+    return tuple(out)
 
 
 class FusedAttentionFunction(torch.autograd.Function):

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from . import _ops, _validate as V
-from ._autograd import FusedAttentionFunction
+from ._autograd import FusedAttentionFunction, distinct_inputs
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
 
@@ -41,8 +41,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_a
     V.check_attention(q, k, v)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
-    out, lse = FusedAttentionFunction.apply(q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal),
-                                            bottom_right, bool(deterministic))
+    out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v), None, None, q.shape[1], k.shape[1], scale,
+                                            bool(causal), bottom_right, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -65,8 +65,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
-    out, lse = FusedAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                            int(max_seqlen_k), scale, bool(causal), bottom_right,
+    out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
+                                            int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), bottom_right,
                                             bool(deterministic))
     return (out, lse) if return_lse else out
 
