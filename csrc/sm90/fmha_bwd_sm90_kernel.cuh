@@ -107,6 +107,20 @@ __host__ __device__ __forceinline__ int dq_perm_pos(int c) {
 // columns, because the 8 threads of one 16-byte store phase cover two rows whose 64-byte runs would
 // otherwise hit the same smem banks (rows are a multiple of 128 B apart). Needs D % 32 == 0.
 __host__ __device__ __forceinline__ int dq_store_pos(int r, int c) { return dq_perm_pos(c) ^ ((r & 1) << 4); }
+
+// Store addresses built from base registers (store_dq_block, the swapped dS^T stores; see there), kept as
+// functions so that tests/sm90/fmha_bwd_sm90_addr_check.cu checks these very expressions against CuTe's
+// partition on the host (P: float* in the kernel, an int offset from 0 in the check).
+template <int D, class P>
+__host__ __device__ __forceinline__ P dq_base_even(P sdq, int r0, int c0) { return sdq + r0 * D + dq_store_pos(r0, c0); }
+template <int D, class P>
+__host__ __device__ __forceinline__ P dq_base_odd(P sdq, int r0, int c0) { return sdq + r0 * D + dq_store_pos(r0, c0 + 16) - 16; }
+template <int D, class P>
+__host__ __device__ __forceinline__ P dq_chunk_addr(P even, P odd, int dr, int dc) { return ((dc >> 4) & 1 ? odd : even) + dr * D + dc; }
+// Pair q (0..15) of a thread's dS^T stores from the address of its pair 0 (SW128 keys-major buffer).
+__host__ __device__ __forceinline__ uint32_t ds_pair_addr(uint32_t base, int q) {
+  return (base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024);
+}
 // Inverse: storage position -> column.
 __host__ __device__ __forceinline__ int dq_perm_col(int pos) {
   int w = pos & 15;
@@ -420,11 +434,11 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
   // parity (the swizzle bit) is r0's, and toggling bit 4 commutes with adding a multiple of 32:
   //   dq_store_pos(r0 + dr, c0 + dc) = dq_store_pos(r0, c0) + dc                if dc / 16 is even,
   //                                  = dq_store_pos(r0, c0 + 16) - 16 + dc      if dc / 16 is odd.
-  // (Checked for every thread and head dim by docs/perf/fmha_bwd_sm90_addr_check.cu.)
+  // (Checked for every thread and head dim by tests/sm90/fmha_bwd_sm90_addr_check.cu.)
   const auto cd00 = tdQcdQ(make_coord(make_coord(0, 0, 0), 0, 0));
   const int r0 = get<0>(cd00), c0 = get<1>(cd00);
-  float* const sdq_even = sdq + r0 * D + dq_store_pos(r0, c0);
-  float* const sdq_odd = sdq + r0 * D + dq_store_pos(r0, c0 + 16) - 16;
+  float* const sdq_even = dq_base_even<D>(sdq, r0, c0);
+  float* const sdq_odd = dq_base_odd<D>(sdq, r0, c0);
   cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
@@ -438,7 +452,7 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
                              tdQrdQ(make_coord(make_coord(0, h, j + 1), 0, 0)),
                              tdQrdQ(make_coord(make_coord(1, h, j + 1), 0, 0)));
       // 16-byte aligned: 4 | dq_store_pos
-      st_shared_v4(((dc >> 4) & 1 ? sdq_odd : sdq_even) + dr * D + dc, v);
+      st_shared_v4(dq_chunk_addr<D>(sdq_even, sdq_odd, dr, dc), v);
     }
   }
   cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
@@ -746,7 +760,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     // 16-byte unit index, bits 4-6 of the address, with the key row mod 8, bits 7-9) its address is
     // the address of pair 0 with (q >> 1) XORed into bits 4-6, plus 1024 for the row + 8: one base
     // register per buffer instead of 16 loop-invariant addresses (which spilled). Checked for every
-    // thread and both buffers against &tdSsdS0(i) / &tdSsdS1(i) by docs/perf/fmha_bwd_sm90_addr_check.cu.
+    // thread and both buffers against &tdSsdS0(i) / &tdSsdS1(i) by tests/sm90/fmha_bwd_sm90_addr_check.cu.
     {
       Tensor tdSr_c = make_tensor(tdSr.data(), tdPrdP.layout());
       static_assert(decltype(cosize(tdPrdP.layout()))::value == decltype(size(tdPrdP))::value, "compact accumulator");
@@ -758,8 +772,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
         cutlass::Array<Element, 2> pair;
         pair[0] = tdSr_c(i);
         pair[1] = tdSr_c(i + 1);
-        st_shared_u32_addr((ds_base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024),
-                           reinterpret_cast<const uint32_t&>(pair));
+        st_shared_u32_addr(ds_pair_addr(ds_base, q), reinterpret_cast<const uint32_t&>(pair));
       }
     }
     cutlass::arch::fence_view_async_shared();

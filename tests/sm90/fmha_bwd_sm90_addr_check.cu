@@ -3,9 +3,9 @@
 // compile-time offsets) and the swapped schedule's dS^T pair stores (one base, XOR of the 16-byte
 // unit index, + 1024 for row + 8). For every consumer thread it compares the formula with CuTe's own
 // partition (&tdSsdS0(i), &tdSsdS1(i)) and with dq_store_pos of each chunk.
-// Build and run from the repository root:
+// Built and run by tests/test_fmha_bwd_sm90_host.py (CI has nvcc but no GPU). By hand, from the repo root:
 //   SP=<site-packages>; nvcc -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//     -Icsrc -I$SP/cutlass_library/source/include docs/perf/fmha_bwd_sm90_addr_check.cu -o /tmp/addr_check
+//     -Icsrc -I$SP/cutlass_library/source/include tests/sm90/fmha_bwd_sm90_addr_check.cu -o /tmp/addr_check
 //   /tmp/addr_check   # prints "ALL OK"
 #include "sm90/fmha_bwd_sm90_kernel.cuh"
 #include <cstdio>
@@ -24,14 +24,14 @@ int check_dq() {
     constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
     auto cd00 = tdQcdQ(make_coord(make_coord(0, 0, 0), 0, 0));
     const int r0 = get<0>(cd00), c0 = get<1>(cd00);
-    const int even = r0 * D + dq_store_pos(r0, c0), odd = r0 * D + dq_store_pos(r0, c0 + 16) - 16;
+    const int even = dq_base_even<D>(0, r0, c0), odd = dq_base_odd<D>(0, r0, c0);  // the kernel's own expressions
     for (int h = 0; h < 2; ++h)
       for (int j = 0; j < kChunks; j += 2) {
         auto cc = make_coord(make_coord(0, h, j), 0, 0);
         const int row = get<0>(tdQcdQ(cc)), col = get<1>(tdQcdQ(cc));
         const int dr = row - r0, dc = col - c0;
         const int ref = row * D + dq_store_pos(row, col);
-        const int got = ((dc >> 4) & 1 ? odd : even) + dr * D + dc;
+        const int got = dq_chunk_addr<D>(even, odd, dr, dc);
         // the 4 values of the float4 are columns col, col+1, col+8, col+9: their dq_store_pos are ref..ref+3
         const int c4[4] = {col, col + 1, col + 8, col + 9};
         for (int e = 0; e < 4; ++e) if (row * D + dq_store_pos(row, c4[e]) != ref + e) ++bad;
@@ -66,7 +66,7 @@ int check_ds() {
         const int q = i / 2;
         const uint32_t ref = uint32_t(reinterpret_cast<uintptr_t>(&t(i)));
         const uint32_t ref1 = uint32_t(reinterpret_cast<uintptr_t>(&t(i + 1)));
-        const uint32_t got = (base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024);
+        const uint32_t got = ds_pair_addr(base, q);
         if (ref != got || ref1 != ref + 2) { if (bad < 5) printf("ds mismatch t=%d buf=%d i=%d ref=%x got=%x\n", tidx, buf, i, ref, got); ++bad; }
       }
     }
