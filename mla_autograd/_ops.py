@@ -164,11 +164,14 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_sc
 _schedule_families: dict = {}
 
 
-def _schedule_family(device: torch.device, seqlen_q: int, num_heads: int) -> str | None:
-    """The kernel family a decode of (Sq, H) on `device` would use, None for the reference path. The
-    schedule depends on neither dtype nor page size, so the table is asked with values the kernel takes
+def _schedule_family(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> str | None:
+    """The kernel family a decode of (B, Sq, H) on `device` would use; None for the reference path and for
+    an empty problem (neither needs a schedule). The schedule depends on neither dtype nor page size, so
+    the table is asked with values the kernel takes
     (bfloat16, (512, 64), page 64); a decode whose dtype or page size sends it to the reference path
     ignores the schedule. Memoised (once per decode step); no fallback warning here, decode gives it."""
+    if batch * seqlen_q * num_heads == 0:
+        return None
     key = (device, seqlen_q, num_heads, os.environ.get("MLA_AUTOGRAD_BACKEND"))
     fam = _schedule_families.get(key, False)
     if fam is False:
@@ -181,9 +184,7 @@ def _schedule_family(device: torch.device, seqlen_q: int, num_heads: int) -> str
 def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> int:
     """Elements of mla_decode_schedule's result on `device` (0 where decode runs the reference path): asked
     of the kernel family's own launch-shape code, so the fake size is the real one (under set_tuning too)."""
-    if batch * seqlen_q * num_heads == 0:
-        return 0
-    fam = _schedule_family(device, seqlen_q, num_heads)
+    fam = _schedule_family(device, batch, seqlen_q, num_heads)
     if fam is None:
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -194,10 +195,7 @@ def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: i
 def mla_decode_schedule(cache_seqlens: Tensor, seqlen_q: int, num_heads: int) -> Tensor:
     """The decode kernel's split-KV schedule for these lengths (int32, schedule_numel elements), computed
     on the device; empty where decode runs the reference path (which needs none)."""
-    B = cache_seqlens.shape[0]
-    if B * seqlen_q * num_heads == 0:
-        return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
-    fam = _schedule_family(cache_seqlens.device, seqlen_q, num_heads)
+    fam = _schedule_family(cache_seqlens.device, cache_seqlens.shape[0], seqlen_q, num_heads)
     if fam is None:
         return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
     return _build.load_family(fam).decode_schedule(cache_seqlens.contiguous(), seqlen_q, num_heads)

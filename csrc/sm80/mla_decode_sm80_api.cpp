@@ -56,9 +56,8 @@ const DevInfo& dev_info(int device) {
 
 // Launch shape of a decode call: every decision that depends only on (B, Sq, H), the device and the tuning
 // globals, among them the size of the split-KV schedule. decode() and decode_schedule() both take it from
-// here, so a schedule and the decode that consumes it agree by construction. The Python fake of
-// mla_autograd::mla_decode_schedule (_ops.py, schedule_numel_for) mirrors the size for automatic tuning; a GPU
-// test compares the two.
+// here, so a schedule and the decode that consumes it agree by construction; so does the size that the fake
+// of mla_autograd::mla_decode_schedule reports (schedule_numel below).
 struct LaunchShape {
   int64_t B = 0, rows = 0;  // rows = Sq * H (token, head) pairs per request
   int m_tile = 16, num_mblocks = 1;
@@ -289,6 +288,14 @@ void decode_splits(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::T
               schedule);
 }
 
+// Arguments of decode_schedule() / schedule_numel() that fix the schedule's shape; fn names the caller.
+void check_schedule_args(const char* fn, int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t num_splits) {
+  MLA_CHECK(batch >= 0 && batch <= 60000, fn, ": batch (", batch, ") must be in [0, 60000] for one launch");
+  MLA_CHECK(seqlen_q >= 1 && seqlen_q <= 65536, fn, ": seqlen_q must be in [1, 65536], got ", seqlen_q);
+  MLA_CHECK(num_heads >= 1 && num_heads <= 65536, fn, ": num_heads must be in [1, 65536], got ", num_heads);
+  MLA_CHECK(num_splits >= 0 && num_splits <= 4096, fn, ": num_splits must be in [0, 4096], got ", num_splits);
+}
+
 // The split-KV schedule of decode(..., schedule=) for calls with these lengths, Sq new tokens and H heads
 // (num_splits > 0: of decode_splits with that num_splits), computed by the metadata kernel on the current
 // stream into a new int32 tensor of launch_shape(...).sched_numel() elements. One schedule serves every
@@ -301,11 +308,8 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
               cache_seqlens.scalar_type());
   MLA_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.stride(0) == 1,
               "decode_schedule: cache_seqlens must be a contiguous int32 (B,) tensor, got ", shape_str(cache_seqlens));
-  MLA_CHECK(seqlen_q >= 1 && seqlen_q <= 65536, "decode_schedule: seqlen_q must be in [1, 65536], got ", seqlen_q);
-  MLA_CHECK(num_heads >= 1 && num_heads <= 65536, "decode_schedule: num_heads must be in [1, 65536], got ", num_heads);
-  MLA_CHECK(num_splits >= 0 && num_splits <= 4096, "decode_schedule: num_splits must be in [0, 4096], got ", num_splits);
   const int64_t B = cache_seqlens.size(0);
-  MLA_CHECK(B <= 60000, "decode_schedule: batch (", B, ") too large for one launch");
+  check_schedule_args("decode_schedule", B, seqlen_q, num_heads, num_splits);
   const auto dev = cache_seqlens.device();
   const auto opts = cache_seqlens.options().dtype(at::kInt);
   if (B == 0) return at::empty({0}, opts);
@@ -332,10 +336,7 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
 // Elements of decode_schedule()'s result for these shapes on CUDA device `device` (no launch): the size the
 // fake of mla_autograd::mla_decode_schedule reports, from the same launch_shape().
 int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, int64_t num_splits) {
-  MLA_CHECK(batch >= 0 && batch <= 60000, "schedule_numel: batch must be in [0, 60000], got ", batch);
-  MLA_CHECK(seqlen_q >= 1 && seqlen_q <= 65536, "schedule_numel: seqlen_q must be in [1, 65536], got ", seqlen_q);
-  MLA_CHECK(num_heads >= 1 && num_heads <= 65536, "schedule_numel: num_heads must be in [1, 65536], got ", num_heads);
-  MLA_CHECK(num_splits >= 0 && num_splits <= 4096, "schedule_numel: num_splits must be in [0, 4096], got ", num_splits);
+  check_schedule_args("schedule_numel", batch, seqlen_q, num_heads, num_splits);
   if (batch == 0) return 0;
   return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, "schedule_numel").sched_numel();
 }
