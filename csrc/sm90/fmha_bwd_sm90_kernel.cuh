@@ -506,8 +506,8 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
 
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
-  clear(tdVrdV);
-  clear(tdKrdK);
+  // dK^T/dV^T start from their first GEMM (zero-initialising wgmma), not from clear(): zeros written
+  // by other instructions while the first S/dP GEMMs run would serialize the wgmma pipeline.
 
   Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
@@ -522,65 +522,80 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   // the others skip that index math. (Two compiled copies of the step, as the swapped schedule has,
   // spill about 900 bytes at d = 192; a uniform branch around the mask loop does not.)
   const int m_unmasked = w.template first_unmasked_m<BM, BN>(p.causal);
-  for (int it = 0; it < total_iters; ++it) {
-    const int g = it / n_m, m = m_min + it % n_m;
-    const int hq = hkv * group + g;
+  // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout).
+  const int row_a = get<0>(tScS(0));
+
+  // Software pipeline across steps: S and dP of step it + 1 are issued as soon as step it's dQ block
+  // is stored, while its dK^T GEMM still runs, so the tensor cores do not drain at every step
+  // boundary (the two consumer warpgroups run in lockstep, so their bubbles would coincide). The
+  // accumulators of S and dP are dead by then (dS is in smem), so no register is added at the peak.
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+  Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
+  // The lse/dpsum of a step are loaded when its S/dP are issued: the GEMMs hide the L2 latency
+  // (loaded after a warpgroup_wait they would add two round trips to every step).
+  float lse_a, lse_b, dps_a, dps_b;
+  auto issue_sdp = [&](int it_next, int st, uint32_t ph) {
+    const int gn = it_next / n_m, mn = m_min + it_next % n_m;
+    const int64_t srow = int64_t(hkv * group + gn) * p.scratch_rows + sq.scratch_start + int64_t(mn) * BM;
+    lse_a = __ldg(p.lse_log2 + srow + row_a); lse_b = __ldg(p.lse_log2 + srow + row_a + 8);
+    dps_a = __ldg(p.dpsum + srow + row_a); dps_b = __ldg(p.dpsum + srow + row_a + 8);
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[st], ph);
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, st), tSrK, tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, st), tdPrV, tdPrdP, true);
+  };
+  // The loop sits inside the branch that issues the first step's GEMMs: where both paths met, the
+  // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
+  // ptxas serialized the wgmma pipeline (C7515).
+  if (total_iters > 0) {
+  issue_sdp(0, 0, 0);
+  for (int it = 0;; ++it) {
+    const int m = m_min + it % n_m;
     const bool need_mask = m < m_unmasked;
-    const int64_t srow0 = int64_t(hq) * p.scratch_rows + sq.scratch_start + int64_t(m) * BM;
-    // Each thread holds two rows of S (row_a and row_a + 8, the wgmma accumulator layout). Their lse
-    // and dpsum are loaded before the wait and the first GEMMs, which hide the L2 latency; loaded
-    // after a warpgroup_wait they would add two round trips to every iteration.
-    const int row_a = get<0>(tScS(0));
-    const float lse_a = __ldg(p.lse_log2 + srow0 + row_a), lse_b = __ldg(p.lse_log2 + srow0 + row_a + 8);
-    const float dps_a = __ldg(p.dpsum + srow0 + row_a), dps_b = __ldg(p.dpsum + srow0 + row_a + 8);
-
-    cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[stage], phase);
-
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
-    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<BM>, Int<BN>>{});
-    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS, true);
-    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP, true);
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
 
-    // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first)
+    // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first). P and then dS
+    // live in tPf, not in the S accumulator: the next step's S GEMM is issued while this step's dK^T
+    // runs, and accumulator registers written by other instructions would make ptxas serialize the
+    // wgmma pipeline (C7515).
+    Tensor tPf = make_tensor_like<float>(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tPf(i) = tSrS(i);
     if (need_mask) {
       const int q0 = m * BM, k0 = n_block * BN;
       CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
+      for (int i = 0; i < size(tPf); ++i) {
         const int qi = q0 + get<0>(tScS(i)), kj = k0 + get<1>(tScS(i));
         const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
-        if (!valid) tSrS(i) = -INFINITY;
+        if (!valid) tPf(i) = -INFINITY;
       }
     }
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
+    for (int i = 0; i < size(tPf); ++i) {
       const int row = get<0>(tScS(i));
       const float lse2 = row == row_a ? lse_a : lse_b;
-      tSrS(i) = mla_sm90::fast_exp2(fmaf(tSrS(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
+      tPf(i) = mla_sm90::fast_exp2(fmaf(tPf(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
     }
     {
-      Tensor tPrP = make_tensor_like<Element>(tSrS);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) tPrP(i) = Element(tSrS(i));
+      Tensor tPrP = make_tensor_like<Element>(tPf);
+      mla_sm90::convert_frag(tPf, tPrP);  // packed cvt (two values per instruction)
       copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
     // dV^T += dO^T P  (reads only this WG's keys of P^T)
-    mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, false);
+    mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
     warpgroup_wait<1>();  // dP done
     warpgroup_fence_operand(tdPrdP);
 
     // dS = P * (dP - dpsum)
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
+    for (int i = 0; i < size(tPf); ++i) {
       const int row = get<0>(tScS(i));
-      tSrS(i) = tSrS(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
+      tPf(i) = tPf(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
     }
-    Tensor tdSrdS = make_tensor_like<Element>(tSrS);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tdSrdS(i) = Element(tSrS(i));
+    Tensor tdSrdS = make_tensor_like<Element>(tPf);
+    mla_sm90::convert_frag(tPf, tdSrdS);
     // the other WG's dQ GEMM of the previous step must be done reading dS
     cutlass::arch::NamedBarrier::sync(256, kBardSFree);
     copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
@@ -590,17 +605,32 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
     mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
-    mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, false);
+    mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
     warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
     warpgroup_fence_operand(tdQrdQ);
 
     store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
-    warpgroup_wait<0>();
+    // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
+    if (it + 1 == total_iters) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdKrdK);
+      warpgroup_fence_operand(tdVrdV);
+      cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+      break;  // the only exit: no GEMM is left in flight on it
+    }
+    const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
+    const uint32_t next_phase = stage + 1 == Stages ? phase ^ 1 : phase;
+    issue_sdp(it + 1, next_stage, next_phase);
+    warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);
-    // this stage's Q/dO are no longer read by any wgmma of this thread's warpgroup
     cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-    if (++stage == Stages) { stage = 0; phase ^= 1; }
+    stage = next_stage;
+    phase = next_phase;
+  }
+  } else {
+    clear(tdVrdV);  // keys that no query sees: zero gradients
+    clear(tdKrdK);
   }
 
   // ---------------------------------------------------------------- epilogue: dK, dV
