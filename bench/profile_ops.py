@@ -91,12 +91,13 @@ def run_attention(dims: int, causal: bool) -> None:
     kernel_table("attention fwd+bwd", fwd_bwd)
 
 
-def run_bwd(dims: int, causal: bool) -> None:
+def run_bwd(dims: int, causal: bool, kernel_only: bool = False) -> None:
     """The backward alone (one saved forward graph), for mla_autograd.attention, the kernel family's own
     entry point (no Python, preallocated outputs) and SDPA cuDNN, each under three timers: triton's
     do_bench (the L2 flushed before every call: bench_attention's timer), calls queued back to back
     (no flush), and one call at a time (synchronized). A gap between the API and the kernel entry that
-    only one timer shows is the timer's; one that all show is ours."""
+    only one timer shows is the timer's; one that all show is ours. kernel_only: the kernel entry and cuDNN
+    only, with out/lse from the reference forward (needs no forward kernel: quick A/B builds of the backward)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     from common import median_ms
@@ -109,7 +110,13 @@ def run_bwd(dims: int, causal: bool) -> None:
     k = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16)
-    o, lse = M.attention(q, k, v, causal=causal, causal_align="top_left", softmax_scale=scale, return_lse=True)
+    if kernel_only:
+        from mla_autograd import reference
+        with torch.no_grad():
+            o, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
+        torch.cuda.empty_cache()
+    else:
+        o, lse = M.attention(q, k, v, causal=causal, causal_align="top_left", softmax_scale=scale, return_lse=True)
     fam = M.explain(q, k, v, causal=causal).backward.family
     ext = load_family(fam)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -118,17 +125,19 @@ def run_bwd(dims: int, causal: bool) -> None:
     dot = do.transpose(1, 2).contiguous()
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
-    fns = {
+    fns = {} if kernel_only else {
         "api": lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+    }
+    fns.update({
         "kernel entry": lambda: ext.bwd(do, qd, kd, vd, od, lse, dq, dk, dvv, None, None, None, None, scale, causal,
                                         False, False),
         "sdpa_cudnn": lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True),
-    }
+    })
     print(f"\nbackward alone {dqk}/{dv} causal={causal} B={B} H={H} S={S} (ms; TF/s at 2.5x fwd FLOPs)")
     for name, fn in fns.items():
         t = {"do_bench": median_ms(fn), "queued": queued_ms(fn, 20), "synced": events_ms(fn, iters=20)}
         print(f"  {name:<14}" + "".join(f"{k_} {v_:.3f} ({flops / v_ / 1e9:.0f})  " for k_, v_ in t.items()))
-    for name in ("api", "sdpa_cudnn"):
+    for name in ("kernel entry" if kernel_only else "api", "sdpa_cudnn"):
         kernel_table(f"bwd {name}", fns[name])
 
 
@@ -190,13 +199,14 @@ def main(argv=None):
                     help="DIMS in 192/128/64, MASK causal|full")
     ap.add_argument("--bwd", nargs=2, metavar=("DIMS", "MASK"), action="append", default=[],
                     help="the backward alone: DIMS in 192/128/64, MASK causal|full")
+    ap.add_argument("--kernel-only", action="store_true", help="--bwd: kernel entry and cuDNN only (no forward kernel)")
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
     args = ap.parse_args(argv)
     for dims, mask in args.attention:
         run_attention(int(dims), mask == "causal")
     for dims, mask in args.bwd:
-        run_bwd(int(dims), mask == "causal")
+        run_bwd(int(dims), mask == "causal", args.kernel_only)
     for B, S, H in args.decode:
         run_decode(B, S, H)
     if args.layer:
