@@ -121,98 +121,113 @@ __host__ __device__ __forceinline__ P dq_chunk_addr(P even, P odd, int dr, int d
 __host__ __device__ __forceinline__ uint32_t ds_pair_addr(uint32_t base, int q) {
   return (base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024);
 }
-// Inverse: storage position -> column.
-__host__ __device__ __forceinline__ int dq_perm_col(int pos) {
-  int w = pos & 15;
-  int t = w >> 2, e = w & 3;
-  return (pos & ~15) + (e >> 1) * 8 + 2 * t + (e & 1);
-}
 
+// ------------------------------------------------------------------------------------------------
 template <class T> struct CuteType;
 template <> struct CuteType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 template <> struct CuteType<__half> { using type = cutlass::half_t; };
 
-// ------------------------------------------------------------------------------------------------
 // Preprocess: dpsum = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e) (+inf for rows with no key
 // and padding rows, so P = 0 there), clear the dQ accumulator block and its semaphore.
-// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads (4 per row).
+// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads. DV / 8 consecutive lanes read one row of O and of
+// dO (16 bytes each, so one warp instruction reads whole rows), and every thread's loads are issued
+// before any is used: the kernel is a pure stream (about 2 bytes read or written per FLOP of nothing).
 template <class Element, int D, int DV, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm90Params p) {
-  static_assert(BM * 4 == 256, "4 threads per row");
-  static_assert(DV % 32 == 0, "dv multiple of 32");
+  constexpr int kLanesPerRow = DV / 8;            // 16-byte vectors per row
+  static_assert(32 % kLanesPerRow == 0 && DV % 8 == 0, "dv / 8 lanes per row, dividing a warp");
+  constexpr int kRowsPerPass = 256 / kLanesPerRow;
+  constexpr int kPasses = BM / kRowsPerPass;      // rows of the block per thread
+  static_assert(BM % kRowsPerPass == 0, "whole passes");
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Seq s = get_seq<BM>(p, b);
   if (m * BM >= s.len_q) return;
   const int tid = threadIdx.x;
-  const int r = tid >> 2, part = tid & 3;
-  const int i = m * BM + r;
-  float acc = 0.f;
-  if (i < s.len_q) {
-    const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride +
-                       (s.start_q + i) * p.o_row_stride + h * p.o_head_stride;
-    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_batch_stride +
-                       (s.start_q + i) * p.do_row_stride + h * p.do_head_stride;
-#pragma unroll
-    for (int c = part * 8; c < DV; c += 32) {
-      uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-      uint4 dv = *reinterpret_cast<const uint4*>(d + c);
-      const Element* oe = reinterpret_cast<const Element*>(&ov);
-      const Element* de = reinterpret_cast<const Element*>(&dv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
-    }
-  }
-  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-  const int64_t srow = int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM + r;
-  if (part == 0) {
-    float l2 = INFINITY;
+  const int lane_in_row = tid % kLanesPerRow, r0 = tid / kLanesPerRow;
+  const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + lane_in_row * 8;
+  const Element* d = static_cast<const Element*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + lane_in_row * 8;
+  uint4 ov[kPasses], dv[kPasses];
+  CUTE_UNROLL
+  for (int k = 0; k < kPasses; ++k) {
+    const int i = m * BM + r0 + k * kRowsPerPass;
+    ov[k] = dv[k] = make_uint4(0, 0, 0, 0);
     if (i < s.len_q) {
-      float l = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.start_q + i];
-      l2 = (l == -INFINITY) ? INFINITY : l * float(M_LOG2E);
-      if (l2 != l2) l2 = INFINITY;  // NaN lse: treat as "no key"
+      ov[k] = __ldcs(reinterpret_cast<const uint4*>(o + (s.start_q + i) * p.o_row_stride));
+      dv[k] = __ldcs(reinterpret_cast<const uint4*>(d + (s.start_q + i) * p.do_row_stride));
     }
-    p.lse_log2[srow] = l2;
-    p.dpsum[srow] = (i < s.len_q) ? acc : 0.f;
   }
-  // clear the fp32 dQ accumulator rows of this block
+  // clear the fp32 dQ accumulator rows of this block (issued while the loads are in flight)
   float4* acc4 = reinterpret_cast<float4*>(p.dq_accum +
                                            (int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM) * D);
+  CUTE_UNROLL
   for (int idx = tid; idx < BM * D / 4; idx += 256) acc4[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (p.deterministic && tid == 0) {
     p.dq_sem[int64_t(h) * (p.scratch_rows / BM) + s.scratch_start / BM + m] = 0;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < kPasses; ++k) {
+    const Element* oe = reinterpret_cast<const Element*>(&ov[k]);
+    const Element* de = reinterpret_cast<const Element*>(&dv[k]);
+    float acc = 0.f;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+    CUTE_UNROLL
+    for (int w = 1; w < kLanesPerRow; w <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, w);
+    const int r = r0 + k * kRowsPerPass, i = m * BM + r;
+    if (lane_in_row == 0) {
+      const int64_t srow = int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM + r;
+      float l2 = INFINITY;
+      if (i < s.len_q) {
+        float l = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.start_q + i];
+        l2 = (l == -INFINITY) ? INFINITY : l * float(M_LOG2E);
+        if (l2 != l2) l2 = INFINITY;  // NaN lse: treat as "no key"
+      }
+      p.lse_log2[srow] = l2;
+      p.dpsum[srow] = (i < s.len_q) ? acc : 0.f;
+    }
   }
 }
 
 // ------------------------------------------------------------------------------------------------
 // Postprocess: dq = softmax_scale * dq_accum (undo the column permutation), cast, store.
-// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads; one thread = 16 columns of one row.
+// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads. Consecutive lanes read consecutive 16-byte vectors
+// of the block (one warp instruction = 512 contiguous bytes), all of a thread's loads before its stores.
+// Vector j (0..3) of a stored 16-column group holds columns {2j, 2j+1, 2j+8, 2j+9} of group g ^ (row & 1)
+// (dq_perm_pos, dq_store_pos): two 4-byte stores of the converted pairs.
 template <class Element, int D, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm90Params p) {
-  static_assert(D % 16 == 0, "head dim multiple of 16");
+  static_assert(D % 32 == 0, "head dim multiple of 32 (pairs of 16-column groups)");
+  constexpr int kRowVecs = D / 4;
+  constexpr int kVecs = BM * kRowVecs / 256;  // per thread
+  static_assert(BM * kRowVecs % 256 == 0, "whole vectors per thread");
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Seq s = get_seq<BM>(p, b);
   if (m * BM >= s.len_q) return;
-  constexpr int kGroups = D / 16;
-  for (int idx = threadIdx.x; idx < BM * kGroups; idx += 256) {
-    const int r = idx / kGroups, g = idx % kGroups;
-    const int i = m * BM + r;
+  const float4* src = reinterpret_cast<const float4*>(
+      p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM) * D);
+  float4 x[kVecs];
+  CUTE_UNROLL
+  for (int k = 0; k < kVecs; ++k) {
+    const int f = threadIdx.x + 256 * k;
+    x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m * BM + f / kRowVecs < s.len_q) x[k] = __ldcs(src + f);
+  }
+  using CuteElement = typename CuteType<Element>::type;  // same bits, with cutlass's converters
+  using Pair = cutlass::Array<CuteElement, 2>;
+  cutlass::NumericArrayConverter<CuteElement, float, 2, cutlass::FloatRoundStyle::round_to_nearest> conv;
+  CUTE_UNROLL
+  for (int k = 0; k < kVecs; ++k) {
+    const int f = threadIdx.x + 256 * k;
+    const int r = f / kRowVecs, c4 = f % kRowVecs, i = m * BM + r;
     if (i >= s.len_q) continue;
-    const float4* src = reinterpret_cast<const float4*>(
-        p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + i) * D + (g ^ (r & 1)) * 16);
-    float v[16];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float4 x = src[j];
-      v[4 * j + 0] = x.x; v[4 * j + 1] = x.y; v[4 * j + 2] = x.z; v[4 * j + 3] = x.w;
-    }
-    alignas(16) Element out[16];
-#pragma unroll
-    for (int pos = 0; pos < 16; ++pos) out[dq_perm_col(pos)] = Element(v[pos] * p.softmax_scale);
+    const int col = (((c4 >> 2) ^ (r & 1)) << 4) + 2 * (c4 & 3);
     Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.start_q + i) * p.dq_row_stride +
-                   h * p.dq_head_stride + g * 16;
-    reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(out)[0];
-    reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(out)[1];
+                   h * p.dq_head_stride + col;
+    cutlass::Array<float, 2> lo, hi;
+    lo[0] = x[k].x * p.softmax_scale; lo[1] = x[k].y * p.softmax_scale;
+    hi[0] = x[k].z * p.softmax_scale; hi[1] = x[k].w * p.softmax_scale;
+    *reinterpret_cast<Pair*>(dst) = conv(lo);
+    *reinterpret_cast<Pair*>(dst + 8) = conv(hi);
   }
 }
 
