@@ -338,17 +338,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
 
 // Named barriers (CUTLASS adds its reserved count). DqEmpty/DqFull: 256 consumers + the reducer warp.
 enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
-
-// A Q/dO stage is free once every consumer warp is past the warpgroup_wait that retired its last GEMM
-// reading the stage (wgmma.wait_group is warp-synchronous). The swapped schedule arrives once per warp
-// (8 arrivals) instead of once per thread (256 arrivals on one mbarrier every step); the unswapped one
-// (d = 192) keeps one per thread: there the lane test cost its consumers 12-16 bytes of spill.
-template <class Tr>
-constexpr int empty_arrivals() { return Tr::Swap ? 8 : 256; }
-template <class Tr>
-__device__ __forceinline__ void release_stage(uint64_t& empty_bar, bool lane0) {
-  if (!Tr::Swap || lane0) cutlass::arch::ClusterBarrier::arrive(&empty_bar);
-}
 constexpr int kDqBarThreads = 256 + 32;
 
 __device__ __forceinline__ void st_shared_u32_addr(uint32_t smem_addr, uint32_t v) {
@@ -631,7 +620,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdVrdV);
-      release_stage<Tr>(ss.empty_bar[stage], true);
+      cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
       break;  // the only exit: no GEMM is left in flight on it
     }
     const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
@@ -640,7 +629,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);
-    release_stage<Tr>(ss.empty_bar[stage], true);
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
     stage = next_stage;
     phase = next_phase;
   }
@@ -690,7 +679,6 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
   const FmhaBwdSm90Params& p = args.p;
   const Seq& sq = w.sq;
   const int tidx = threadIdx.x - 128;  // 0..255
-  const bool lane0 = (tidx & 31) == 0;  // the arriving lane of release_stage
 
   auto [sQ, sdO, sK, sV, sQt, sdOt, sKt] = smem_operands<Tr>(ss);
   // dS^T buffers (keys x queries, queries contiguous) and their (queries x keys) views for dQ
@@ -836,7 +824,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     warpgroup_wait<0>();  // P^T/dS^T registers and this stage's Q/dO are free
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);
-    release_stage<Tr>(ss.empty_bar[stage], lane0);
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
     if (++stage == Stages) { stage = 0; phase ^= 1; }
     ++it;
   };
@@ -891,7 +879,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&ss.full_bar[s], 1);
-      cutlass::arch::ClusterBarrier::init(&ss.empty_bar[s], empty_arrivals<Tr>());
+      cutlass::arch::ClusterBarrier::init(&ss.empty_bar[s], 256);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_bar, 1);
     cutlass::arch::fence_barrier_init();
