@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A/B of a kernel change on the device, in one call: build A (this tree with the baseline copies of the
+# changed files overlaid) and B (this tree) side by side, run B's GPU tests, then time both in alternating
+# processes (cuDNN runs in each process too, so every number has a same-process peer beside it).
+# Why alternate processes: cuDNN's own backward moved by up to 6% between processes on the H200, more than
+# the changes being measured.
+#   Here:   mkdir -p .ab && git show main:csrc/sm90/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd_sm90_kernel.cuh
+#           (.ab/ must be listed in .git/info/exclude; name it in the run's carry with .whl)
+#   Device: FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash scripts/ab_kernel.sh
+# Knobs: FAMILY, EXTRA_FAMILIES (built for B only, e.g. for the API tests), TESTS (B's test files),
+# TEST_T (seconds per file), ROUNDS (A/B pairs), PROFILE (bench/profile_ops.py arguments, run with --kernel-only).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTD="${OUT:-$PWD/ab_logs}"; mkdir -p "$OUTD"
+if ! python3 -c "import cutlass_library" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl || exit 1
+fi
+export PYTHONPATH="/tmp/site:$PWD" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
+FAMILY="${FAMILY:-fmha_bwd_sm90}"
+[ -d .ab ] || { echo "no .ab/ with baseline files"; exit 1; }
+rm -rf /tmp/ab_A && mkdir -p /tmp/ab_A && cp -r mla_autograd csrc bench tests /tmp/ab_A/ && cp -r .ab/. /tmp/ab_A/
+(cd /tmp/ab_A && PYTHONPATH=/tmp/site:/tmp/ab_A MLA_AUTOGRAD_CACHE=/tmp/ab_cA python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
+MLA_AUTOGRAD_CACHE=/tmp/ab_cB python3 -m mla_autograd.build --family "$FAMILY" --ptxas-verbose >"$OUTD/build_B.log" 2>&1 &
+for f in ${EXTRA_FAMILIES:-}; do MLA_AUTOGRAD_CACHE=/tmp/ab_cB python3 -m mla_autograd.build --family "$f" >"$OUTD/build_$f.log" 2>&1 & done
+wait
+grep -hE "^(OK|FAIL)" "$OUTD"/build_*.log; grep -h "spill" "$OUTD/build_B.log" | sort | uniq -c
+for f in ${TESTS:-tests/gpu/test_fmha_bwd_sm90.py}; do
+  MLA_AUTOGRAD_CACHE=/tmp/ab_cB timeout "${TEST_T:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$OUTD/test_$(basename "$f" .py).txt" 2>&1
+  echo "B $f: $(tail -1 "$OUTD/test_$(basename "$f" .py).txt")"; grep -E "^FAILED" "$OUTD/test_$(basename "$f" .py).txt" | head
+done
+for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
+  d=$PWD; [ "$v" = A ] && d=/tmp/ab_A
+  (cd "$d" && PYTHONPATH="/tmp/site:$d" MLA_AUTOGRAD_CACHE=/tmp/ab_c$v timeout 150 python3 bench/profile_ops.py --kernel-only \
+     ${PROFILE:---bwd 192 causal} >"$OUTD/prof_$v$r.txt" 2>&1)
+  echo "== $v round $r"
+  grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq" "$OUTD/prof_$v$r.txt" \
+    | sed -E 's/void fmha_bwd_sm90::fmha_bwd_sm90_//; s/cudnn_generated_fort_native_sdpa_sm90_//' | cut -c1-100
+done; done
