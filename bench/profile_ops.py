@@ -69,13 +69,19 @@ def kernel_table(label: str, fn, iters=5, top=12) -> None:
         print(f"  {us / 1e3:9.3f} ms  x{cnt:<5.1f} {name[:110]}")
 
 
-def run_attention(dims: int, causal: bool) -> None:
+def attention_inputs(dims: int, B: int = 2, H: int = 16, S: int = 8192):
+    """q, k, v (leaves requiring grad) and dO, bf16 (B, S, H, D) on the GPU, for DIMS in 192/128/64."""
     dqk, dv = {192: (192, 128), 128: (128, 128), 64: (64, 64)}[dims]
-    B, H, S = 2, 16, 8192
     q = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, do
+
+
+def run_attention(dims: int, causal: bool) -> None:
+    q, k, v, do = attention_inputs(dims)
+    dqk, dv = q.shape[-1], v.shape[-1]
 
     def fwd():
         with torch.no_grad():
@@ -102,14 +108,11 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False) -> None:
     import torch.nn.functional as F
     from common import median_ms
     from mla_autograd._build import load_family
-    dqk, dv = {192: (192, 128), 128: (128, 128), 64: (64, 64)}[dims]
-    B, H, S = 2, 16, 8192
+    q, k, v, do = attention_inputs(dims)
+    B, S, H, dqk = q.shape
+    dv = v.shape[-1]
     scale = dqk ** -0.5
     flops = 2.5 * 2 * B * H * S * S * (dqk + dv) * (0.5 if causal else 1.0)
-    q = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(B, S, H, dv, device="cuda", dtype=torch.bfloat16)
     if kernel_only:
         from mla_autograd import reference
         with torch.no_grad():

@@ -2,7 +2,8 @@
 // keep its smem store addresses out of registers: the dQ block stores (store_dq_block: two bases +
 // compile-time offsets) and the swapped schedule's dS^T pair stores (one base, XOR of the 16-byte
 // unit index, + 1024 for row + 8). For every consumer thread it compares the formula with CuTe's own
-// partition (&tdSsdS0(i), &tdSsdS1(i)) and with dq_store_pos of each chunk.
+// partition (&tdSsdS0(i), &tdSsdS1(i)) and with dq_store_pos of each chunk, and the postprocess's inverse
+// (dq_vec_col) against dq_store_pos.
 // Built and run by tests/test_fmha_bwd_sm90_host.py (CI has nvcc but no GPU). By hand, from the repo root:
 //   SP=<site-packages>; nvcc -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -Icsrc -I$SP/cutlass_library/source/include tests/sm90/fmha_bwd_sm90_addr_check.cu -o /tmp/addr_check
@@ -38,6 +39,13 @@ int check_dq() {
         if (ref != got || (dr & 1) || (dc & 15)) { if (bad < 5) printf("dq mismatch t=%d h=%d j=%d ref=%d got=%d\n", tidx, h, j, ref, got); ++bad; }
       }
   }
+  // the postprocess's inverse: vector c4 of stored row r holds columns dq_vec_col(r, c4) + {0, 1, 8, 9}
+  for (int r = 0; r < BM; ++r)
+    for (int c4 = 0; c4 < D / 4; ++c4) {
+      const int col = dq_vec_col(r, c4), cols[4] = {col, col + 1, col + 8, col + 9};
+      for (int e = 0; e < 4; ++e)
+        if (dq_store_pos(r, cols[e]) != 4 * c4 + e) { if (bad < 5) printf("dq_vec_col mismatch r=%d c4=%d e=%d\n", r, c4, e); ++bad; }
+    }
   printf("dQ D=%d: %d bad\n", D, bad);
   return bad;
 }
