@@ -260,6 +260,8 @@ struct Traits {
                                                                        make_stride(BNt{}, _1{}))));
   using SmemLayoutP = decltype(composition(SmemLayoutPt{}, make_layout(make_shape(BMt{}, BNt{}),
                                                                        make_stride(BNt{}, _1{}))));
+  using SmemLayoutVt = decltype(composition(SmemLayoutV{}, make_layout(make_shape(DVt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
 
   using AtomLayout = Layout<Shape<_1, _2, _1>>;  // two consumer WGs along N
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -319,6 +321,11 @@ struct Traits {
                                       SmemLayoutK{}, Shape<BNt, Dt>{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                       SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
+  // dK / dV stores (unswapped epilogue): the K / V tiles' smem layouts, reused as staging
+  using TmadK = decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutK{}, Shape<BNt, Dt>{}, _1{}));
+  using TmadV = decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
 };
 
 template <class Tr>
@@ -328,6 +335,8 @@ struct MainArgs {
   typename Tr::TmadO tma_do;
   typename Tr::TmaK tma_k;
   typename Tr::TmaV tma_v;
+  typename Tr::TmadK tma_dk;  // valid when p.dkv_tma
+  typename Tr::TmadV tma_dv;
   typename Tr::GmemShape shape_q, shape_do, shape_k, shape_v;
 };
 
@@ -641,6 +650,51 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   }
 
   // ---------------------------------------------------------------- epilogue: dK, dV
+  // A K/V block inside its sequence: dK^T/dV^T go through transposing stmatrix into the K and V tiles'
+  // own smem (no GEMM reads them any more once both warpgroups are here) and leave by two TMA stores,
+  // instead of ~120 scalar 2-byte stores per thread. Blocks that cross the sequence end (a TMA box would
+  // write into the next sequence of a varlen batch) store from registers, predicated.
+  if (p.dkv_tma && (n_block + 1) * BN <= sq.len_k) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+    Tensor tdKr16 = make_tensor_like<Element>(tdKrdK);
+    Tensor tdVr16 = make_tensor_like<Element>(tdVrdV);
+    mla_sm90::convert_frag(tdKrdK, tdKr16);
+    mla_sm90::convert_frag(tdVrdV, tdVr16);
+    // The staging addresses are derived from bases hidden behind an empty asm: hoisted above the loop
+    // (they are loop-invariant) they stayed live through it and spilled.
+    Element* k_base = ss.k.data();
+    Element* v_base = ss.v.data();
+    asm volatile("" : "+l"(k_base), "+l"(v_base));
+    Tensor sdKt = make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutKt{});  // (D, BN) view
+    Tensor sdVt = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutVt{});  // (DV, BN) view
+    auto r2s_dkv = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dkv);
+    auto thr_r2s_dkv = r2s_dkv.get_thread_slice(tidx);
+    // both warpgroups' last GEMMs (the dQ GEMM reads K^T across the warpgroups) are done
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+    copy(r2s_dkv, thr_r2s_dkv.retile_S(tdKr16), thr_r2s_dkv.partition_D(sdKt));
+    copy(r2s_dkv, thr_r2s_dkv.retile_S(tdVr16), thr_r2s_dkv.partition_D(sdVt));
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+    if (tidx == 0) {
+      const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
+      Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+      Tensor mdK = domain_offset(make_coord(int(sq.start_k), _0{}),
+                                 args.tma_dk.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
+      Tensor mdV = domain_offset(make_coord(int(sq.start_k), _0{}),
+                                 args.tma_dv.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
+      Tensor gdK = local_tile(mdK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
+      Tensor gdV = local_tile(mdV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
+      auto [tdKgdK, tdKsdK] = tma_partition(args.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
+      auto [tdVgdV, tdVsdV] = tma_partition(args.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+      copy(args.tma_dk, tdKsdK, tdKgdK);
+      copy(args.tma_dv, tdVsdV, tdVgdV);
+      tma_store_arrive();
+      tma_store_wait<0>();  // the smem tiles are read before the CTA (and its smem) goes
+    }
+    return;
+  }
   {
     Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
     Tensor tdVcdV = thr_dkv.partition_C(cdV);
@@ -1075,6 +1129,21 @@ void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
   args.shape_do = gdO.shape();
   args.shape_k = gK.shape();
   args.shape_v = gV.shape();
+  // dK/dV by TMA store (unswapped epilogue) where the outputs allow it: 16-byte aligned base and strides
+  auto tma_ok = [](const void* ptr, std::initializer_list<int64_t> strides) {
+    bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+    for (int64_t st : strides) ok = ok && st % (16 / int64_t(sizeof(Element))) == 0;
+    return ok;
+  };
+  args.p.dkv_tma = !Tr::Swap && tma_ok(p.dk, {p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride}) &&
+                   tma_ok(p.dv, {p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride});
+  if (args.p.dkv_tma) {
+    // the same (rows, dim, head, batch) extents as K and V, so the kernel indexes them with shape_k/shape_v
+    auto gdK = make_gmem(p.dk, rows_k, D, p.hkv, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
+    auto gdV = make_gmem(p.dv, rows_k, DV, p.hkv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
+    args.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gdK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
+    args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
+  }
 
   const int grid_n = (p.max_seqlen_k + BN - 1) / BN;
   if (grid_n > 0) {
