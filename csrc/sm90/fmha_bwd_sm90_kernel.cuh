@@ -117,9 +117,6 @@ template <int D, class P>
 __host__ __device__ __forceinline__ P dq_base_odd(P sdq, int r0, int c0) { return sdq + r0 * D + dq_store_pos(r0, c0 + 16) - 16; }
 template <int D, class P>
 __host__ __device__ __forceinline__ P dq_chunk_addr(P even, P odd, int dr, int dc) { return ((dc >> 4) & 1 ? odd : even) + dr * D + dc; }
-// The inverse, as the postprocess reads it: 16-byte vector c4 of a stored row r holds columns col, col + 1,
-// col + 8 and col + 9 of that row, col = dq_vec_col(r, c4).
-__host__ __device__ __forceinline__ int dq_vec_col(int r, int c4) { return (((c4 >> 2) ^ (r & 1)) << 4) + 2 * (c4 & 3); }
 // Pair q (0..15) of a thread's dS^T stores from the address of its pair 0 (SW128 keys-major buffer).
 __host__ __device__ __forceinline__ uint32_t ds_pair_addr(uint32_t base, int q) {
   return (base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024);
@@ -185,7 +182,8 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm9
 // Postprocess: dq = softmax_scale * dq_accum (undo the column permutation), cast, store.
 // Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads. Consecutive lanes read consecutive 16-byte vectors
 // of the block (one warp instruction = 512 contiguous bytes), all of a thread's loads before its stores.
-// Each vector holds two column pairs (dq_vec_col): two 4-byte stores of the converted pairs.
+// Vector j (0..3) of a stored 16-column group holds columns {2j, 2j+1, 2j+8, 2j+9} of group g ^ (row & 1)
+// (dq_perm_pos, dq_store_pos): two 4-byte stores of the converted pairs.
 template <class Element, int D, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm90Params p) {
   static_assert(D % 32 == 0, "head dim multiple of 32 (pairs of 16-column groups)");
@@ -212,7 +210,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
     const int f = threadIdx.x + 256 * k;
     const int r = f / kRowVecs, c4 = f % kRowVecs, i = m * BM + r;
     if (i >= s.len_q) continue;
-    const int col = dq_vec_col(r, c4);
+    const int col = (((c4 >> 2) ^ (r & 1)) << 4) + 2 * (c4 & 3);
     Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.start_q + i) * p.dq_row_stride +
                    h * p.dq_head_stride + col;
     cutlass::Array<float, 2> lo, hi;
@@ -563,87 +561,92 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
   // ptxas serialized the wgmma pipeline (C7515).
   if (total_iters > 0) {
-    issue_sdp(0, 0, 0);
-    for (int it = 0;; ++it) {
-      const int m = m_min + it % n_m;
-      const bool need_mask = m < m_unmasked;
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(tSrS);
+  issue_sdp(0, 0, 0);
+  for (int it = 0;; ++it) {
+    const int m = m_min + it % n_m;
+    const bool need_mask = m < m_unmasked;
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
 
-      // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first). P and then dS
-      // live in tPf, not in the S accumulator: the next step's S GEMM is issued while this step's dK^T
-      // runs, and accumulator registers written by other instructions would make ptxas serialize the
-      // wgmma pipeline (C7515).
-      Tensor tPf = make_tensor_like<float>(tSrS);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) tPf(i) = tSrS(i);
-      if (need_mask) {
-        const int q0 = m * BM, k0 = n_block * BN;
-        CUTE_UNROLL
-        for (int i = 0; i < size(tPf); ++i) {
-          const int qi = q0 + get<0>(tScS(i)), kj = k0 + get<1>(tScS(i));
-          const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
-          if (!valid) tPf(i) = -INFINITY;
-        }
-      }
+    // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first). P and then dS
+    // live in tPf, not in the S accumulator: the next step's S GEMM is issued while this step's dK^T
+    // runs, and accumulator registers written by other instructions would make ptxas serialize the
+    // wgmma pipeline (C7515).
+    Tensor tPf = make_tensor_like<float>(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tPf(i) = tSrS(i);
+    if (need_mask) {
+      const int q0 = m * BM, k0 = n_block * BN;
+      // the coordinates are rebuilt here from an opaque thread index: kept live across the loop for
+      // the masked steps they cost two spilled registers once the TMA epilogue was added
+      int tidx_m = tidx;
+      asm volatile("" : "+r"(tidx_m));
+      Tensor tScSm = mma_sdp.get_thread_slice(tidx_m).partition_C(cS);
       CUTE_UNROLL
       for (int i = 0; i < size(tPf); ++i) {
-        const int row = get<0>(tScS(i));
-        const float lse2 = row == row_a ? lse_a : lse_b;
-        tPf(i) = mla_sm90::fast_exp2(fmaf(tPf(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
+        const int qi = q0 + get<0>(tScSm(i)), kj = k0 + get<1>(tScSm(i));
+        const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
+        if (!valid) tPf(i) = -INFINITY;
       }
-      {
-        Tensor tPrP = make_tensor_like<Element>(tPf);
-        mla_sm90::convert_frag(tPf, tPrP);  // packed cvt (two values per instruction)
-        copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
-      }
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
-      // dV^T += dO^T P  (reads only this WG's keys of P^T)
-      mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
-      warpgroup_wait<1>();  // dP done
-      warpgroup_fence_operand(tdPrdP);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(tPf); ++i) {
+      const int row = get<0>(tScS(i));
+      const float lse2 = row == row_a ? lse_a : lse_b;
+      tPf(i) = mla_sm90::fast_exp2(fmaf(tPf(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
+    }
+    {
+      Tensor tPrP = make_tensor_like<Element>(tPf);
+      mla_sm90::convert_frag(tPf, tPrP);  // packed cvt (two values per instruction)
+      copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
+    // dV^T += dO^T P  (reads only this WG's keys of P^T)
+    mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
+    warpgroup_wait<1>();  // dP done
+    warpgroup_fence_operand(tdPrdP);
 
-      // dS = P * (dP - dpsum)
-      CUTE_UNROLL
-      for (int i = 0; i < size(tPf); ++i) {
-        const int row = get<0>(tScS(i));
-        tPf(i) = tPf(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
-      }
-      Tensor tdSrdS = make_tensor_like<Element>(tPf);
-      mla_sm90::convert_frag(tPf, tdSrdS);
-      // the other WG's dQ GEMM of the previous step must be done reading dS
-      cutlass::arch::NamedBarrier::sync(256, kBardSFree);
-      copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+    // dS = P * (dP - dpsum)
+    CUTE_UNROLL
+    for (int i = 0; i < size(tPf); ++i) {
+      const int row = get<0>(tScS(i));
+      tPf(i) = tPf(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
+    }
+    Tensor tdSrdS = make_tensor_like<Element>(tPf);
+    mla_sm90::convert_frag(tPf, tdSrdS);
+    // the other WG's dQ GEMM of the previous step must be done reading dS
+    cutlass::arch::NamedBarrier::sync(256, kBardSFree);
+    copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
 
-      // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
-      mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
-      mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
-      warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
-      warpgroup_fence_operand(tdQrdQ);
+    // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+    mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
+    mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
+    warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
+    warpgroup_fence_operand(tdQrdQ);
 
-      store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
-      // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
-      if (it + 1 == total_iters) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_fence_operand(tdVrdV);
-        cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-        break;  // the only exit: no GEMM is left in flight on it
-      }
-      const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
-      const uint32_t next_phase = stage + 1 == Stages ? phase ^ 1 : phase;
-      issue_sdp(it + 1, next_stage, next_phase);
-      warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
+    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+    // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
+    if (it + 1 == total_iters) {
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdVrdV);
       cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-      stage = next_stage;
-      phase = next_phase;
+      break;  // the only exit: no GEMM is left in flight on it
     }
+    const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
+    const uint32_t next_phase = stage + 1 == Stages ? phase ^ 1 : phase;
+    issue_sdp(it + 1, next_stage, next_phase);
+    warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
+    warpgroup_fence_operand(tdKrdK);
+    warpgroup_fence_operand(tdVrdV);
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+    stage = next_stage;
+    phase = next_phase;
+  }
   } else {
     clear(tdVrdV);  // keys that no query sees: zero gradients
     clear(tdKrdK);
@@ -669,7 +672,9 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     Tensor sdKt = make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutKt{});  // (D, BN) view
     Tensor sdVt = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutVt{});  // (DV, BN) view
     auto r2s_dkv = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dkv);
-    auto thr_r2s_dkv = r2s_dkv.get_thread_slice(tidx);
+    int tidx_s = tidx;  // opaque: the staging offsets must not be shared with (and kept live from) the loop's
+    asm volatile("" : "+r"(tidx_s));
+    auto thr_r2s_dkv = r2s_dkv.get_thread_slice(tidx_s);
     // both warpgroups' last GEMMs (the dQ GEMM reads K^T across the warpgroups) are done
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
     copy(r2s_dkv, thr_r2s_dkv.retile_S(tdKr16), thr_r2s_dkv.partition_D(sdKt));
@@ -677,6 +682,10 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
     if (tidx == 0) {
+      // the block's coordinates again (a few integer ops): kept from before the loop they spilled
+      int n_block, hkv, b;
+      cta_coords(p, n_block, hkv, b);
+      const Seq sq = get_seq<BM>(p, b);
       const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
       Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
@@ -696,8 +705,12 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     return;
   }
   {
+    // coordinates from an opaque thread index, so that nothing for them stays live through the loop
+    int tidx_e = tidx;
+    asm volatile("" : "+r"(tidx_e));
+    auto thr_dkv_e = mma_dkv.get_thread_slice(tidx_e);
     Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
-    Tensor tdVcdV = thr_dkv.partition_C(cdV);
+    Tensor tdVcdV = thr_dkv_e.partition_C(cdV);
     Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
                   hkv * p.dv_head_stride;
     CUTE_UNROLL
@@ -706,7 +719,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
       if (key < sq.len_k) dv[int64_t(key) * p.dv_row_stride + dim] = Element(tdVrdV(i));
     }
     Tensor cdK = make_identity_tensor(Shape<Int<D>, Int<BN>>{});
-    Tensor tdKcdK = thr_dkv.partition_C(cdK);
+    Tensor tdKcdK = thr_dkv_e.partition_C(cdK);
     Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
                   hkv * p.dk_head_stride;
     CUTE_UNROLL
