@@ -117,6 +117,9 @@ template <int D, class P>
 __host__ __device__ __forceinline__ P dq_base_odd(P sdq, int r0, int c0) { return sdq + r0 * D + dq_store_pos(r0, c0 + 16) - 16; }
 template <int D, class P>
 __host__ __device__ __forceinline__ P dq_chunk_addr(P even, P odd, int dr, int dc) { return ((dc >> 4) & 1 ? odd : even) + dr * D + dc; }
+// The inverse, as the postprocess reads it: 16-byte vector c4 of a stored row r holds columns col, col + 1,
+// col + 8 and col + 9 of that row, col = dq_vec_col(r, c4).
+__host__ __device__ __forceinline__ int dq_vec_col(int r, int c4) { return (((c4 >> 2) ^ (r & 1)) << 4) + 2 * (c4 & 3); }
 // Pair q (0..15) of a thread's dS^T stores from the address of its pair 0 (SW128 keys-major buffer).
 __host__ __device__ __forceinline__ uint32_t ds_pair_addr(uint32_t base, int q) {
   return (base ^ uint32_t((q >> 1) << 4)) + uint32_t((q & 1) * 1024);
@@ -182,8 +185,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm9
 // Postprocess: dq = softmax_scale * dq_accum (undo the column permutation), cast, store.
 // Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads. Consecutive lanes read consecutive 16-byte vectors
 // of the block (one warp instruction = 512 contiguous bytes), all of a thread's loads before its stores.
-// Vector j (0..3) of a stored 16-column group holds columns {2j, 2j+1, 2j+8, 2j+9} of group g ^ (row & 1)
-// (dq_perm_pos, dq_store_pos): two 4-byte stores of the converted pairs.
+// Each vector holds two column pairs (dq_vec_col): two 4-byte stores of the converted pairs.
 template <class Element, int D, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm90Params p) {
   static_assert(D % 32 == 0, "head dim multiple of 32 (pairs of 16-column groups)");
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
     const int f = threadIdx.x + 256 * k;
     const int r = f / kRowVecs, c4 = f % kRowVecs, i = m * BM + r;
     if (i >= s.len_q) continue;
-    const int col = (((c4 >> 2) ^ (r & 1)) << 4) + 2 * (c4 & 3);
+    const int col = dq_vec_col(r, c4);
     Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.start_q + i) * p.dq_row_stride +
                    h * p.dq_head_stride + col;
     cutlass::Array<float, 2> lo, hi;
