@@ -50,9 +50,9 @@ struct FmhaBwdSm90Params {
   // (kv head, batch) pairs x K/V blocks, this many pairs per group, K/V block 0 (the longest under a
   // causal mask) first. 1 = one pair after another; hkv * batch = every pair interleaved.
   int pair_group;
-  // dK/dV of the unswapped schedule (d = 192) leave through smem and a TMA store for K/V blocks that lie
-  // entirely inside their sequence (set by the launcher when dk/dv allow TMA: 16-byte aligned base and
-  // strides); the other blocks, and every block when false, store from registers.
+  // dK/dV leave through smem and a TMA store for K/V blocks that lie entirely inside their sequence
+  // (set by the launcher when dk/dv allow TMA: 16-byte aligned base and strides); the other blocks,
+  // and every block when false, store from registers.
   bool dkv_tma;
 };
 
