@@ -615,92 +615,92 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
   // ptxas serialized the wgmma pipeline (C7515).
   if (total_iters > 0) {
-  issue_sdp(0, 0, 0);
-  for (int it = 0;; ++it) {
-    const int m = m_min + it % n_m;
-    const bool need_mask = m < m_unmasked;
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(tSrS);
+    issue_sdp(0, 0, 0);
+    for (int it = 0;; ++it) {
+      const int m = m_min + it % n_m;
+      const bool need_mask = m < m_unmasked;
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
 
-    // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first). P and then dS
-    // live in tPf, not in the S accumulator: the next step's S GEMM is issued while this step's dK^T
-    // runs, and accumulator registers written by other instructions would make ptxas serialize the
-    // wgmma pipeline (C7515).
-    Tensor tPf = make_tensor_like<float>(tSrS);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tPf(i) = tSrS(i);
-    if (need_mask) {
-      const int q0 = m * BM, k0 = n_block * BN;
-      // the coordinates are rebuilt here from an opaque thread index: kept live across the loop for
-      // the masked steps they cost two spilled registers once the TMA epilogue was added
-      int tidx_m = tidx;
-      asm volatile("" : "+r"(tidx_m));
-      Tensor tScSm = mma_sdp.get_thread_slice(tidx_m).partition_C(cS);
+      // P = exp2(S * scale_log2 - lse_log2), masked to 0 (masked scores set to -inf first). P and then dS
+      // live in tPf, not in the S accumulator: the next step's S GEMM is issued while this step's dK^T
+      // runs, and accumulator registers written by other instructions would make ptxas serialize the
+      // wgmma pipeline (C7515).
+      Tensor tPf = make_tensor_like<float>(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tPf(i) = tSrS(i);
+      if (need_mask) {
+        const int q0 = m * BM, k0 = n_block * BN;
+        // the coordinates are rebuilt here from an opaque thread index: kept live across the loop for
+        // the masked steps they cost two spilled registers once the TMA epilogue was added
+        int tidx_m = tidx;
+        asm volatile("" : "+r"(tidx_m));
+        Tensor tScSm = mma_sdp.get_thread_slice(tidx_m).partition_C(cS);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tPf); ++i) {
+          const int qi = q0 + get<0>(tScSm(i)), kj = k0 + get<1>(tScSm(i));
+          const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
+          if (!valid) tPf(i) = -INFINITY;
+        }
+      }
       CUTE_UNROLL
       for (int i = 0; i < size(tPf); ++i) {
-        const int qi = q0 + get<0>(tScSm(i)), kj = k0 + get<1>(tScSm(i));
-        const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
-        if (!valid) tPf(i) = -INFINITY;
+        const int row = get<0>(tScS(i));
+        const float lse2 = row == row_a ? lse_a : lse_b;
+        tPf(i) = mla_sm90::fast_exp2(fmaf(tPf(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
       }
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < size(tPf); ++i) {
-      const int row = get<0>(tScS(i));
-      const float lse2 = row == row_a ? lse_a : lse_b;
-      tPf(i) = mla_sm90::fast_exp2(fmaf(tPf(i), p.scale_log2, -lse2));  // exp2(-inf) = 0
-    }
-    {
-      Tensor tPrP = make_tensor_like<Element>(tPf);
-      mla_sm90::convert_frag(tPf, tPrP);  // packed cvt (two values per instruction)
-      copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
-    // dV^T += dO^T P  (reads only this WG's keys of P^T)
-    mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
-    warpgroup_wait<1>();  // dP done
-    warpgroup_fence_operand(tdPrdP);
+      {
+        Tensor tPrP = make_tensor_like<Element>(tPf);
+        mla_sm90::convert_frag(tPf, tPrP);  // packed cvt (two values per instruction)
+        copy(r2s_pds, thr_r2s.retile_S(tPrP), tPsP);
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
+      // dV^T += dO^T P  (reads only this WG's keys of P^T)
+      mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
+      warpgroup_wait<1>();  // dP done
+      warpgroup_fence_operand(tdPrdP);
 
-    // dS = P * (dP - dpsum)
-    CUTE_UNROLL
-    for (int i = 0; i < size(tPf); ++i) {
-      const int row = get<0>(tScS(i));
-      tPf(i) = tPf(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
-    }
-    Tensor tdSrdS = make_tensor_like<Element>(tPf);
-    mla_sm90::convert_frag(tPf, tdSrdS);
-    // the other WG's dQ GEMM of the previous step must be done reading dS
-    cutlass::arch::NamedBarrier::sync(256, kBardSFree);
-    copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
+      // dS = P * (dP - dpsum)
+      CUTE_UNROLL
+      for (int i = 0; i < size(tPf); ++i) {
+        const int row = get<0>(tScS(i));
+        tPf(i) = tPf(i) * (tdPrdP(i) - (row == row_a ? dps_a : dps_b));
+      }
+      Tensor tdSrdS = make_tensor_like<Element>(tPf);
+      mla_sm90::convert_frag(tPf, tdSrdS);
+      // the other WG's dQ GEMM of the previous step must be done reading dS
+      cutlass::arch::NamedBarrier::sync(256, kBardSFree);
+      copy(r2s_pds, thr_r2s.retile_S(tdSrdS), tdSsdS);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
 
-    // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
-    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
-    mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
-    mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
-    warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
-    warpgroup_fence_operand(tdQrdQ);
+      // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+      mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
+      mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
+      warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
+      warpgroup_fence_operand(tdQrdQ);
 
-    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
-    // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
-    if (it + 1 == total_iters) {
-      warpgroup_wait<0>();
+      store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+      // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
+      if (it + 1 == total_iters) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdKrdK);
+        warpgroup_fence_operand(tdVrdV);
+        cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
+        break;  // the only exit: no GEMM is left in flight on it
+      }
+      const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
+      const uint32_t next_phase = stage + 1 == Stages ? phase ^ 1 : phase;
+      issue_sdp(it + 1, next_stage, next_phase);
+      warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdVrdV);
       cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-      break;  // the only exit: no GEMM is left in flight on it
+      stage = next_stage;
+      phase = next_phase;
     }
-    const int next_stage = stage + 1 == Stages ? 0 : stage + 1;
-    const uint32_t next_phase = stage + 1 == Stages ? phase ^ 1 : phase;
-    issue_sdp(it + 1, next_stage, next_phase);
-    warpgroup_wait<2>();  // dK^T done; the next step's S and dP may still run
-    warpgroup_fence_operand(tdKrdK);
-    warpgroup_fence_operand(tdVrdV);
-    cutlass::arch::ClusterBarrier::arrive(&ss.empty_bar[stage]);
-    stage = next_stage;
-    phase = next_phase;
-  }
   } else {
     clear(tdVrdV);  // keys that no query sees: zero gradients
     clear(tdKrdK);
