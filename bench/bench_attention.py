@@ -2,7 +2,8 @@
 
 Workloads as in ../shared/anchors/README.md: B=2 H=16 S=8192, (Dqk, Dv) in {(192,128), (128,128)},
 causal and not, bf16, random normal inputs. Median times; FLOPs: fwd = 2*B*H*Sq*Sk*(Dqk+Dv)
-(halved when causal), bwd = 2.5 x fwd. All forwards are timed first, then all backwards. The backward is timed alone (autograd.grad over one saved
+(halved when causal), bwd = 2.5 x fwd. Each round times all forwards, then all backwards; rounds
+alternate the order of the implementations and the table gives the median over rounds. The backward is timed alone (autograd.grad over one saved
 forward graph, retain_graph=True, as FlashAttention's benchmarks do; until 2026-11-30 it was
 (fwd+bwd) - fwd, which also counted host time between the two: our rows moved by up to 6% between
 two runs of the same commit while cuDNN's stayed within 1%); fwd+bwd is recorded too (fwd_bwd_ms). Every implementation's output
@@ -17,6 +18,7 @@ Writes bench/results/attention-<date>-<gpu>-<commit>.json and .png, and prints a
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -165,6 +167,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="passes over all workloads, alternating the order of the implementations (median)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--peers", default=None,
                     help="comma-separated subset of sdpa_cudnn,sdpa_flash,sdpa_mem_efficient,flex_attention")
@@ -186,24 +190,48 @@ def main():
         shapes += [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
     rows = []
     meta = stamp()
-    # Two passes: every forward first, then every backward. Timed right after a backward's 250 ms of
-    # back-to-back calls, our 128/128 forwards read 0.91-0.97x cuDNN in three runs on the H200; alone
-    # (--no-bwd, same commit, warm GPU) 1.00-1.02x.
-    def use_for(d):
-        return {k: f for k, f in impls.items()
-                if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))}
-    for B, H, s, d, dv, c in shapes:
-        rows += bench_one(B, H, s, d, dv, c, use_for(d), do_bwd=False)
-        meta["rows"] = rows
-        path = write("attention", meta, Path(args.out))  # after every workload: a cut-short run keeps its rows
-    if not args.no_bwd:
-        key = ("impl", "B", "H", "S", "dqk", "dv", "causal")
-        by_key = {tuple(r[k] for k in key): r for r in rows}
+    meta["rounds"] = args.rounds
+    # Two passes per round: every forward first, then every backward. Timed right after a backward's
+    # 250 ms of back-to-back calls, our 128/128 forwards read 0.91-0.97x cuDNN in three runs on the H200;
+    # alone (--no-bwd, same commit, warm GPU) 1.00-1.02x. The same kernels' backward also read up to 9%
+    # slower here than in bench/profile_ops.py (2026-11-30), so the rounds alternate the order of the
+    # implementations, and a row's time is the median over rounds (each round's in *_ms_rounds).
+    def use_for(d, rnd):
+        sel = [(k, f) for k, f in impls.items()
+               if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))]
+        return dict(sel if rnd % 2 == 0 else sel[::-1])
+    key = ("impl", "B", "H", "S", "dqk", "dv", "causal")
+    by_key = {}
+
+    def merge(r):
+        first = by_key.get(tuple(r[k] for k in key))
+        if first is None:  # the first round's row keeps its checks (backend, max_abs_diff_vs_first)
+            first = by_key[tuple(r[k] for k in key)] = r
+            rows.append(r)
+        for t in ("fwd", "bwd", "fwd_bwd"):
+            if f"{t}_ms" not in r:
+                continue
+            runs = first.setdefault(f"{t}_ms_rounds", [])
+            runs.append(r[f"{t}_ms"])
+            if t in ("fwd", "bwd"):
+                work = r[f"{t}_tflops"] * r[f"{t}_ms"]  # FLOPs / 1e9
+            first[f"{t}_ms"] = statistics.median(runs)
+            if t in ("fwd", "bwd"):
+                first[f"{t}_tflops"] = work / first[f"{t}_ms"]
+        if "error" in r:
+            first["error"] = r["error"]
+
+    for rnd in range(args.rounds):
         for B, H, s, d, dv, c in shapes:
-            for r in bench_one(B, H, s, d, dv, c, use_for(d), do_fwd=False):
-                first = by_key[tuple(r[k] for k in key)]
-                first.update({k: v for k, v in r.items() if k.startswith(("bwd", "fwd_bwd")) or k == "error"})
-            path = write("attention", meta, Path(args.out))
+            for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_bwd=False):
+                merge(r)
+            meta["rows"] = rows
+            path = write("attention", meta, Path(args.out))  # after every workload: a cut-short run keeps its rows
+        if not args.no_bwd:
+            for B, H, s, d, dv, c in shapes:
+                for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_fwd=False):
+                    merge(r)
+                path = write("attention", meta, Path(args.out))
     plot(rows, path.with_suffix(".png"))
     print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
     hdr = f"{'workload':<26}{'impl':<20}{'backend':<10}{'fwd TF/s':>9}{'bwd TF/s':>9}{'fwd/cudnn':>10}{'bwd/cudnn':>10}"
