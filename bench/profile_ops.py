@@ -97,7 +97,38 @@ def run_attention(dims: int, causal: bool) -> None:
     kernel_table("attention fwd+bwd", fwd_bwd)
 
 
-def run_bwd(dims: int, causal: bool, kernel_only: bool = False) -> None:
+def sustained(fn, seconds: float) -> dict:
+    """fn() queued back to back for `seconds` while nvidia-smi samples board power and SM clock every
+    100 ms: ms per call, mean W and MHz after the first second (the power cap acts within it), J per call.
+    A long training run sees this state, not the boost clock of a short timer."""
+    import subprocess
+    import time
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls, t_mark, calls_mark = 0, None, 0
+    while True:
+        for _ in range(5):
+            fn()
+        calls += 5
+        torch.cuda.synchronize()
+        t = time.perf_counter() - t0
+        if t_mark is None and t >= 1.0:
+            t_mark, calls_mark = t, calls
+        if t >= seconds:
+            break
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = [tuple(float(x) for x in ln.split(",")) for ln in lines if ln.count(",") == 1]
+    steady = samples[len(samples) * 1 // max(1, int(seconds)):] or samples
+    watts = sum(p for p, _ in steady) / max(1, len(steady))
+    mhz = sum(c for _, c in steady) / max(1, len(steady))
+    ms = (t - t_mark) / (calls - calls_mark) * 1e3
+    return {"ms": ms, "W": watts, "MHz": mhz, "J": watts * ms / 1e3}
+
+
+def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float = 0.0) -> None:
     """The backward alone (one saved forward graph), for mla_autograd.attention, the kernel family's own
     entry point (no Python, preallocated outputs) and SDPA cuDNN, each under three timers: triton's
     do_bench (the L2 flushed before every call: bench_attention's timer), calls queued back to back
@@ -142,6 +173,13 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False) -> None:
         print(f"  {name:<14}" + "".join(f"{k_} {v_:.3f} ({flops / v_ / 1e9:.0f})  " for k_, v_ in t.items()))
     for name in ("kernel entry" if kernel_only else "api", "sdpa_cudnn"):
         kernel_table(f"bwd {name}", fns[name])
+    if sustain > 0:
+        print(f"sustained {sustain:.0f} s per run, alternating (ms per call, board W, SM MHz, J per call):")
+        for rnd in range(2):
+            for name in ("kernel entry", "sdpa_cudnn") if rnd == 0 else ("sdpa_cudnn", "kernel entry"):
+                r = sustained(fns[name], sustain)
+                print(f"  {name:<14} {r['ms']:.3f} ms ({flops / r['ms'] / 1e9:.0f} TF/s)  {r['W']:.0f} W  "
+                      f"{r['MHz']:.0f} MHz  {r['J']:.3f} J")
 
 
 def run_decode(B: int, S: int, H: int) -> None:
@@ -203,13 +241,16 @@ def main(argv=None):
     ap.add_argument("--bwd", nargs=2, metavar=("DIMS", "MASK"), action="append", default=[],
                     help="the backward alone: DIMS in 192/128/64, MASK causal|full")
     ap.add_argument("--kernel-only", action="store_true", help="--bwd: kernel entry and cuDNN only (no forward kernel)")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="--bwd: also run each backward back to back this long, twice, alternating, with board "
+                         "power and SM clock (nvidia-smi): under the H200's power cap speed follows energy per call")
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
     args = ap.parse_args(argv)
     for dims, mask in args.attention:
         run_attention(int(dims), mask == "causal")
     for dims, mask in args.bwd:
-        run_bwd(int(dims), mask == "causal", args.kernel_only)
+        run_bwd(int(dims), mask == "causal", args.kernel_only, args.sustain)
     for B, S, H in args.decode:
         run_decode(B, S, H)
     if args.layer:
