@@ -167,6 +167,13 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
                                         False, False),
         "sdpa_cudnn": lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True),
     })
+    if not kernel_only:  # the same entry on the reference forward's out/lse: isolates the saved tensors
+        from mla_autograd import reference
+        with torch.no_grad():
+            o_ref, lse_ref = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
+        o_ref = o_ref.to(o.dtype)
+        fns["entry, ref o/lse"] = lambda: ext.bwd(do, qd, kd, vd, o_ref, lse_ref, dq, dk, dvv, None, None, None, None,
+                                                  scale, causal, False, False)
     print(f"\nbackward alone {dqk}/{dv} causal={causal} B={B} H={H} S={S} (ms; TF/s at 2.5x fwd FLOPs)")
     for name, fn in fns.items():
         t = {"do_bench": median_ms(fn), "queued": queued_ms(fn, 20), "synced": events_ms(fn, iters=20)}
