@@ -162,6 +162,31 @@ def plot(rows, path):
     print(f"plot: {path}")
 
 
+ROW_KEY = ("impl", "B", "H", "S", "dqk", "dv", "causal")
+
+
+def merge_round(rows: list, by_key: dict, r: dict) -> None:
+    """Fold one round's row r into its workload's row: the first round's row is kept (with its checks:
+    backend, max_abs_diff_vs_first) and appended to rows; every round's fwd/bwd/fwd_bwd time goes to
+    <t>_ms_rounds, <t>_ms becomes their median and <t>_tflops follows it. An error of any round is kept."""
+    k = tuple(r[f] for f in ROW_KEY)
+    first = by_key.get(k)
+    if first is None:
+        first = by_key[k] = r
+        rows.append(r)
+    for t in ("fwd", "bwd", "fwd_bwd"):
+        if f"{t}_ms" not in r:
+            continue
+        runs = first.setdefault(f"{t}_ms_rounds", [])
+        runs.append(r[f"{t}_ms"])
+        gflop = r[f"{t}_tflops"] * r[f"{t}_ms"] if f"{t}_tflops" in r else None
+        first[f"{t}_ms"] = statistics.median(runs)
+        if gflop is not None:
+            first[f"{t}_tflops"] = gflop / first[f"{t}_ms"]
+    if "error" in r:
+        first["error"] = r["error"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -200,37 +225,18 @@ def main():
         sel = [(k, f) for k, f in impls.items()
                if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))]
         return dict(sel if rnd % 2 == 0 else sel[::-1])
-    key = ("impl", "B", "H", "S", "dqk", "dv", "causal")
     by_key = {}
-
-    def merge(r):
-        first = by_key.get(tuple(r[k] for k in key))
-        if first is None:  # the first round's row keeps its checks (backend, max_abs_diff_vs_first)
-            first = by_key[tuple(r[k] for k in key)] = r
-            rows.append(r)
-        for t in ("fwd", "bwd", "fwd_bwd"):
-            if f"{t}_ms" not in r:
-                continue
-            runs = first.setdefault(f"{t}_ms_rounds", [])
-            runs.append(r[f"{t}_ms"])
-            if t in ("fwd", "bwd"):
-                work = r[f"{t}_tflops"] * r[f"{t}_ms"]  # FLOPs / 1e9
-            first[f"{t}_ms"] = statistics.median(runs)
-            if t in ("fwd", "bwd"):
-                first[f"{t}_tflops"] = work / first[f"{t}_ms"]
-        if "error" in r:
-            first["error"] = r["error"]
 
     for rnd in range(args.rounds):
         for B, H, s, d, dv, c in shapes:
             for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_bwd=False):
-                merge(r)
+                merge_round(rows, by_key, r)
             meta["rows"] = rows
             path = write("attention", meta, Path(args.out))  # after every workload: a cut-short run keeps its rows
         if not args.no_bwd:
             for B, H, s, d, dv, c in shapes:
                 for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_fwd=False):
-                    merge(r)
+                    merge_round(rows, by_key, r)
                 path = write("attention", meta, Path(args.out))
     plot(rows, path.with_suffix(".png"))
     print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
