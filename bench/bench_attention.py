@@ -3,7 +3,9 @@
 Workloads as in ../shared/anchors/README.md: B=2 H=16 S=8192, (Dqk, Dv) in {(192,128), (128,128)},
 causal and not, bf16, random normal inputs. Median times; FLOPs: fwd = 2*B*H*Sq*Sk*(Dqk+Dv)
 (halved when causal), bwd = 2.5 x fwd. Each round times all forwards, then all backwards; rounds
-alternate the order of the implementations and the table gives the median over rounds. The backward is timed alone (autograd.grad over one saved
+alternate the order of the implementations and the table gives the median over rounds. nvidia-smi samples
+the SM clock and board power meanwhile, and each measurement records the mean of both during its window
+(*_sm_mhz_rounds, *_power_w_rounds): on the H200 a run this long sits at the power cap. The backward is timed alone (autograd.grad over one saved
 forward graph, retain_graph=True, as FlashAttention's benchmarks do; until 2026-11-30 it was
 (fwd+bwd) - fwd, which also counted host time between the two: our rows moved by up to 6% between
 two runs of the same commit while cuDNN's stayed within 1%); fwd+bwd is recorded too (fwd_bwd_ms). Every implementation's output
@@ -20,13 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_ms, stamp, write  # noqa: E402
+from common import RESULTS, PowerSampler, median_ms, stamp, write  # noqa: E402
 
 import mla_autograd as M  # noqa: E402
 
@@ -100,6 +103,12 @@ def bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
                 row["error"] = "no kernel here (reference path): not timed at this size"
                 rows.append(row)
                 continue
+        def timed(name, f):  # median_ms, and the wall-clock window it ran in (for PowerSampler)
+            t0 = time.time()
+            ms = median_ms(f)
+            row[f"{name}_window"] = [t0, time.time()]
+            return ms
+
         try:
             with torch.no_grad():
                 out = fwd()
@@ -109,7 +118,7 @@ def bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
             row["max_abs_diff_vs_first"] = (out_bhsd.float() - base).abs().max().item()
             if do_fwd:
                 with torch.no_grad():
-                    t_f = median_ms(fwd)
+                    t_f = timed("fwd", fwd)
                 row["fwd_ms"], row["fwd_tflops"] = t_f, ff / t_f / 1e9
             if do_bwd:
                 leaves = [a.detach().requires_grad_() for a in args]
@@ -117,13 +126,13 @@ def bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
 
                 def bwd():  # the backward alone, from one saved forward graph (as FlashAttention's benchmarks)
                     torch.autograd.grad(o, leaves, dout, retain_graph=True)
-                row["bwd_ms"] = median_ms(bwd)
+                row["bwd_ms"] = timed("bwd", bwd)
                 row["bwd_tflops"] = 2.5 * ff / row["bwd_ms"] / 1e9
                 del o
 
                 def fwd_bwd():
                     torch.autograd.grad(fn(*leaves, causal, scale), leaves, dout)
-                row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+                row["fwd_bwd_ms"] = timed("fwd_bwd", fwd_bwd)
         except Exception as exc:  # unsupported shape for a peer: record why
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)
@@ -179,12 +188,34 @@ def merge_round(rows: list, by_key: dict, r: dict) -> None:
             continue
         runs = first.setdefault(f"{t}_ms_rounds", [])
         runs.append(r[f"{t}_ms"])
+        if f"{t}_window" in r:
+            first.setdefault(f"{t}_windows", []).append(r.pop(f"{t}_window"))
         gflop = r[f"{t}_tflops"] * r[f"{t}_ms"] if f"{t}_tflops" in r else None
         first[f"{t}_ms"] = statistics.median(runs)
         if gflop is not None:
             first[f"{t}_tflops"] = gflop / first[f"{t}_ms"]
     if "error" in r:
         first["error"] = r["error"]
+
+
+def annotate_power(rows: list, sampler) -> None:
+    """<t>_sm_mhz_rounds / <t>_power_w_rounds: the mean SM clock and board power nvidia-smi saw during each
+    round's measurement (None where it took no sample), and a table of the backward's rounds."""
+    lines = []
+    for r in rows:
+        for t in ("fwd", "bwd", "fwd_bwd"):
+            stats = [sampler.window(*w) for w in r.get(f"{t}_windows", [])]
+            if stats:
+                r[f"{t}_sm_mhz_rounds"] = [s and round(s["sm_mhz"]) for s in stats]
+                r[f"{t}_power_w_rounds"] = [s and round(s["power_w"], 1) for s in stats]
+        if "bwd_ms_rounds" in r and "bwd_sm_mhz_rounds" in r:
+            w = f"{r['dqk']}/{r['dv']} {'causal' if r['causal'] else 'full'}"
+            lines.append(f"{w:<16}{r['impl']:<16}" + "  ".join(
+                f"{ms:.3f} ms @ {mhz} MHz {pw} W" for ms, mhz, pw in
+                zip(r["bwd_ms_rounds"], r["bwd_sm_mhz_rounds"], r["bwd_power_w_rounds"])))
+    if lines:
+        print("\nbackward per round (median ms, mean SM clock and board power during it):")
+        print("\n".join(lines))
 
 
 def main():
@@ -194,6 +225,8 @@ def main():
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--rounds", type=int, default=3,
                     help="passes over all workloads, alternating the order of the implementations (median)")
+    ap.add_argument("--no-power", action="store_true",
+                    help="do not sample SM clock and board power (nvidia-smi) during each measurement")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--peers", default=None,
                     help="comma-separated subset of sdpa_cudnn,sdpa_flash,sdpa_mem_efficient,flex_attention")
@@ -226,6 +259,7 @@ def main():
                if not (k == "flex_attention" and args.flex_dims and d != int(args.flex_dims))]
         return dict(sel if rnd % 2 == 0 else sel[::-1])
     by_key = {}
+    sampler = None if args.no_power else PowerSampler()
 
     for rnd in range(args.rounds):
         for B, H, s, d, dv, c in shapes:
@@ -238,6 +272,10 @@ def main():
                 for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_fwd=False):
                     merge_round(rows, by_key, r)
                 path = write("attention", meta, Path(args.out))
+    if sampler is not None:
+        sampler.close()
+        annotate_power(rows, sampler)
+        path = write("attention", meta, Path(args.out))
     plot(rows, path.with_suffix(".png"))
     print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
     hdr = f"{'workload':<26}{'impl':<20}{'backend':<10}{'fwd TF/s':>9}{'bwd TF/s':>9}{'fwd/cudnn':>10}{'bwd/cudnn':>10}"

@@ -5,6 +5,7 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -85,3 +86,54 @@ def write(name: str, payload: dict, out_dir: Path | None = None) -> Path:
     path = out_dir / f"{name}-{day}-{gpu}-{payload.get('commit', 'x')}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+class PowerSampler:
+    """Board power and SM clock from nvidia-smi every period_ms in the background, so that a timed window
+    [t0, t1] (time.time()) can be given the clock and power it ran at. Why: a long run on the H200 sits at
+    its ~700 W power cap with the SM clock below boost, and how far below depends on what ran before.
+    Without nvidia-smi it records nothing and window() returns None."""
+
+    def __init__(self, period_ms: int = 50):
+        self.samples: list[tuple[float, float, float]] = []  # (unix time, SM MHz, W)
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                 "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except (FileNotFoundError, PermissionError):
+            self._proc = None
+            return
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            sample = self.parse(line)
+            if sample is not None:
+                self.samples.append(sample)
+
+    @staticmethod
+    def parse(line: str):
+        """'2026/11/30 16:12:24.816, 1755, 692.31' -> (unix time, 1755.0, 692.31); None if malformed. The
+        time stamp is nvidia-smi's own (its output reaches a pipe in bursts), local time like time.time()."""
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            return None
+        try:
+            t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            return t, float(parts[1]), float(parts[2])
+        except ValueError:
+            return None
+
+    def window(self, t0: float, t1: float) -> dict | None:
+        s = [x for x in self.samples if t0 <= x[0] <= t1]
+        if not s:
+            return None
+        return {"sm_mhz": sum(x[1] for x in s) / len(s), "power_w": sum(x[2] for x in s) / len(s),
+                "samples": len(s)}
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._thread.join(timeout=2)

@@ -24,7 +24,18 @@ def bench(monkeypatch):
     monkeypatch.setattr(mod, "stamp", lambda: {"gpu": "fake", "torch": "x", "cudnn": 0, "commit": "c0ffee"})
     monkeypatch.setattr(mod, "peers", lambda names=None: {"sdpa_cudnn": None})
     monkeypatch.setattr(mod, "plot", lambda rows, path: None)
+    monkeypatch.setattr(mod, "PowerSampler", FakeSampler)
     return mod
+
+
+class FakeSampler:
+    """Clock 1000 + t0 MHz in any window starting at t0; no samples in a window starting at 99."""
+
+    def window(self, t0, t1):
+        return None if t0 == 99 else {"sm_mhz": 1000.0 + t0, "power_w": 600.0 + t0, "samples": 3}
+
+    def close(self):
+        pass
 
 
 def test_rounds_alternate_order_and_take_the_median(bench, monkeypatch, tmp_path):
@@ -50,6 +61,7 @@ def test_rounds_alternate_order_and_take_the_median(bench, monkeypatch, tmp_path
             if do_bwd:
                 t = (ours_bwd if n == "mla_autograd" else cudnn_bwd)[rnd]
                 r["bwd_ms"], r["bwd_tflops"], r["fwd_bwd_ms"] = t, 250.0 / t, t + 1.0
+                r["bwd_window"] = [99 if rnd == 1 else 10 * rnd, 10 * rnd + 1]
             if causal and n == "sdpa_cudnn" and rnd == 2 and do_bwd:
                 r["error"] = "RuntimeError: round 2 failed"
             rows.append(r)
@@ -81,6 +93,9 @@ def test_rounds_alternate_order_and_take_the_median(bench, monkeypatch, tmp_path
         assert r["fwd_bwd_ms"] == statistics.median([t + 1.0 for t in (ours_bwd if ours else cudnn_bwd)])
         assert r["max_abs_diff_vs_first"] == 0.0  # the first round's check, not a later round's
         assert ("error" in r) == (r["causal"] and not ours)
+        assert "bwd_window" not in r and r["bwd_windows"] == [[0, 1], [99, 11], [20, 21]]
+        assert r["bwd_sm_mhz_rounds"] == [1000, None, 1020] and r["bwd_power_w_rounds"] == [600.0, None, 620.0]
+        assert "fwd_sm_mhz_rounds" not in r  # the fake timed no forward windows
 
 
 def test_merge_round_keeps_first_row_identity(bench):
@@ -93,3 +108,13 @@ def test_merge_round_keeps_first_row_identity(bench):
     (r,) = rows
     assert r["fwd_ms_rounds"] == [2.0, 4.0] and r["fwd_ms"] == 3.0 and r["fwd_tflops"] == pytest.approx(10.0 / 3.0)
     assert r["bwd_ms"] == 4.0 and r["fwd_bwd_ms_rounds"] == [6.0]
+
+
+def test_power_sampler_parses_nvidia_smi_lines(bench):
+    import datetime
+    from common import PowerSampler
+    t, mhz, w = PowerSampler.parse("2026/11/30 16:12:24.816, 1755, 692.31\n")
+    assert (mhz, w) == (1755.0, 692.31)
+    assert t == datetime.datetime(2026, 11, 30, 16, 12, 24, 816000).timestamp()
+    assert PowerSampler.parse("timestamp, clocks.current.sm [MHz], power.draw [W]") is None
+    assert PowerSampler.parse("2026/11/30 16:12:24.816, [N/A], 692.31") is None
