@@ -707,10 +707,8 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   }
 
   // ---------------------------------------------------------------- epilogue: dK, dV
-  // A K/V block inside its sequence: dK^T/dV^T go through transposing stmatrix into the K and V tiles'
-  // own smem (no GEMM reads them any more once both warpgroups are here) and leave by two TMA stores,
-  // instead of ~120 scalar 2-byte stores per thread. Blocks that cross the sequence end (a TMA box would
-  // write into the next sequence of a varlen batch) store from registers, predicated.
+  // A K/V block inside its sequence leaves by TMA store (store_dkv_tma): the accumulators are dK^T/dV^T
+  // here, so the stmatrix transposes. Blocks that cross the sequence end store from registers, predicated.
   if (dkv_tma_ok<Tr>(p, n_block, sq.len_k)) {
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
