@@ -7,8 +7,11 @@
 #   Here:   mkdir -p .ab && git show main:csrc/sm90/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd_sm90_kernel.cuh
 #           (.ab/ must be listed in .git/info/exclude; name it in the run's carry with .whl)
 #   Device: FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash scripts/ab_kernel.sh
+#   One build, two settings (a run-time knob such as MLA_BWD_SM90_KV_PREFETCH): no .ab/ needed,
+#           SAME_BUILD=1 ENV_A="MLA_BWD_SM90_KV_PREFETCH=0" bash scripts/ab_kernel.sh
 # Knobs: FAMILY, EXTRA_FAMILIES (built for B only, e.g. for the API tests), TESTS (B's test files),
-# TEST_T (seconds per file), ROUNDS (A/B pairs), PROFILE (bench/profile_ops.py arguments, run with --kernel-only).
+# TEST_T (seconds per file), ROUNDS (A/B pairs), PROFILE (bench/profile_ops.py arguments, run with --kernel-only),
+# SAME_BUILD=1 (A is B's build), ENV_A / ENV_B (VAR=value words exported for A's / B's profile runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTD="${OUT:-$PWD/ab_logs}"; mkdir -p "$OUTD"
@@ -17,9 +20,11 @@ if ! python3 -c "import cutlass_library" 2>/dev/null; then
 fi
 export PYTHONPATH="/tmp/site:$PWD" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
 FAMILY="${FAMILY:-fmha_bwd_sm90}"
-[ -d .ab ] || { echo "no .ab/ with baseline files"; exit 1; }
-rm -rf /tmp/ab_A && mkdir -p /tmp/ab_A && cp -r mla_autograd csrc bench tests /tmp/ab_A/ && cp -r .ab/. /tmp/ab_A/
-(cd /tmp/ab_A && PYTHONPATH=/tmp/site:/tmp/ab_A MLA_AUTOGRAD_CACHE=/tmp/ab_cA python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
+if [ -z "${SAME_BUILD:-}" ]; then
+  [ -d .ab ] || { echo "no .ab/ with baseline files"; exit 1; }
+  rm -rf /tmp/ab_A && mkdir -p /tmp/ab_A && cp -r mla_autograd csrc bench tests /tmp/ab_A/ && cp -r .ab/. /tmp/ab_A/
+  (cd /tmp/ab_A && PYTHONPATH=/tmp/site:/tmp/ab_A MLA_AUTOGRAD_CACHE=/tmp/ab_cA python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
+fi
 MLA_AUTOGRAD_CACHE=/tmp/ab_cB python3 -m mla_autograd.build --family "$FAMILY" --ptxas-verbose >"$OUTD/build_B.log" 2>&1 &
 for f in ${EXTRA_FAMILIES:-}; do MLA_AUTOGRAD_CACHE=/tmp/ab_cB python3 -m mla_autograd.build --family "$f" >"$OUTD/build_$f.log" 2>&1 & done
 wait
@@ -29,8 +34,12 @@ for f in ${TESTS:-tests/gpu/test_fmha_bwd_sm90.py}; do
   echo "B $f: $(tail -1 "$OUTD/test_$(basename "$f" .py).txt")"; grep -E "^FAILED" "$OUTD/test_$(basename "$f" .py).txt" | head
 done
 for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
-  d=$PWD; [ "$v" = A ] && d=/tmp/ab_A
-  (cd "$d" && PYTHONPATH="/tmp/site:$d" MLA_AUTOGRAD_CACHE=/tmp/ab_c$v timeout 150 python3 bench/profile_ops.py --kernel-only \
+  d=$PWD; cache=/tmp/ab_c$v; envs="${ENV_B:-}"
+  if [ "$v" = A ]; then
+    envs="${ENV_A:-}"
+    if [ -n "${SAME_BUILD:-}" ]; then cache=/tmp/ab_cB; else d=/tmp/ab_A; fi
+  fi
+  (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="/tmp/site:$d" MLA_AUTOGRAD_CACHE=$cache timeout 150 python3 bench/profile_ops.py --kernel-only \
      ${PROFILE:---bwd 192 causal} >"$OUTD/prof_$v$r.txt" 2>&1)
   echo "== $v round $r"
   grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq" "$OUTD/prof_$v$r.txt" \
