@@ -99,33 +99,28 @@ def run_attention(dims: int, causal: bool) -> None:
 
 def sustained(fn, seconds: float) -> dict:
     """fn() queued back to back for `seconds` while nvidia-smi samples board power and SM clock every
-    100 ms: ms per call, mean W and MHz after the first second (the power cap acts within it), J per call.
-    A long training run sees this state, not the boost clock of a short timer."""
-    import subprocess
+    100 ms (common.PowerSampler): ms per call, mean W and MHz after the first second (the power cap acts
+    within it), J per call. A long training run sees this state, not the boost clock of a short timer."""
     import time
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    from common import PowerSampler
+    sampler = PowerSampler(period_ms=100)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = time.time()
     calls, t_mark, calls_mark = 0, None, 0
     while True:
         for _ in range(5):
             fn()
         calls += 5
         torch.cuda.synchronize()
-        t = time.perf_counter() - t0
-        if t_mark is None and t >= 1.0:
+        t = time.time()
+        if t_mark is None and t - t0 >= 1.0:
             t_mark, calls_mark = t, calls
-        if t >= seconds:
+        if t - t0 >= seconds:
             break
-    smi.terminate()
-    lines = smi.communicate()[0].strip().splitlines()
-    samples = [tuple(float(x) for x in ln.split(",")) for ln in lines if ln.count(",") == 1]
-    steady = samples[len(samples) * 1 // max(1, int(seconds)):] or samples
-    watts = sum(p for p, _ in steady) / max(1, len(steady))
-    mhz = sum(c for _, c in steady) / max(1, len(steady))
+    sampler.close()
+    steady = sampler.window(t_mark, t) or sampler.window(t0, t) or {"power_w": float("nan"), "sm_mhz": float("nan")}
     ms = (t - t_mark) / (calls - calls_mark) * 1e3
-    return {"ms": ms, "W": watts, "MHz": mhz, "J": watts * ms / 1e3}
+    return {"ms": ms, "W": steady["power_w"], "MHz": steady["sm_mhz"], "J": steady["power_w"] * ms / 1e3}
 
 
 def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float = 0.0) -> None:
@@ -144,8 +139,8 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
     dv = v.shape[-1]
     scale = dqk ** -0.5
     flops = 2.5 * 2 * B * H * S * S * (dqk + dv) * (0.5 if causal else 1.0)
+    from mla_autograd import reference
     if kernel_only:
-        from mla_autograd import reference
         with torch.no_grad():
             o, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
         torch.cuda.empty_cache()
@@ -168,7 +163,6 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
         "sdpa_cudnn": lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True),
     })
     if not kernel_only:  # the same entry on the reference forward's out/lse: isolates the saved tensors
-        from mla_autograd import reference
         with torch.no_grad():
             o_ref, lse_ref = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
         o_ref = o_ref.to(o.dtype)
