@@ -6,6 +6,7 @@ left between them (launch gaps, host work). One workload per flag, all on the cu
 
     python bench/profile_ops.py --attention 128 causal   # fwd+bwd through mla_autograd.attention, B=2 H=16 S=8192
     python bench/profile_ops.py --bwd 192 causal         # the backward alone, three timers, ours beside cuDNN
+    python bench/profile_ops.py --harness 192 causal     # bench_attention's backward row beside this file's timing
     python bench/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
     python bench/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa
 
@@ -183,6 +184,46 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
                       f"{r['MHz']:.0f} MHz  {r['J']:.3f} J")
 
 
+def run_harness(dims: int, causal: bool, reps: int = 3) -> None:
+    """bench_attention's backward row beside this file's timing of the same call, interleaved in one
+    process: bench_attention read our 192/128 causal backward 4-6% slower than profile_ops at the same
+    SM clock while cuDNN read the same in both (2026-11-30). Each rep times, with do_bench: (a) this
+    file's setup (one set of inputs, ours then cuDNN), (b) the same after torch.cuda.empty_cache(),
+    (c) bench_attention.bench_one (fresh inputs, a no-grad forward first, empty_cache between impls),
+    alternating the order of the implementations."""
+    import bench_attention as BA
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    from common import median_ms
+    dqk, dv = {192: (192, 128), 128: (128, 128), 64: (64, 64)}[dims]
+    scale = dqk ** -0.5
+    impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,
+                                                               causal_align="top_left"),
+             **BA.peers(["sdpa_cudnn"])}
+
+    def ours_and_cudnn(clear: bool):
+        q, k, v, do = attention_inputs(dims)
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        dot = do.transpose(1, 2).contiguous()
+        o = M.attention(q, k, v, causal=causal, causal_align="top_left", softmax_scale=scale)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        if clear:
+            torch.cuda.empty_cache()
+        return (median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)),
+                median_ms(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True)))
+
+    print(f"\nharness check {dqk}/{dv} causal={causal}: backward ms (do_bench), ours / cuDNN")
+    for r in range(reps):
+        a = ours_and_cudnn(False)
+        b = ours_and_cudnn(True)
+        order = list(impls.items()) if r % 2 == 0 else list(impls.items())[::-1]
+        rows = {x["impl"]: x.get("bwd_ms", float("nan"))
+                for x in BA.bench_one(2, 16, 8192, dqk, dv, causal, dict(order), do_fwd=False)}
+        print(f"  rep {r}: profile {a[0]:.3f} / {a[1]:.3f}   after empty_cache {b[0]:.3f} / {b[1]:.3f}   "
+              f"bench_one ({order[0][0]} first) {rows['mla_autograd']:.3f} / {rows['sdpa_cudnn']:.3f}")
+
+
 def run_decode(B: int, S: int, H: int) -> None:
     from mla_autograd._build import load_family
     ext = load_family("mla_decode_sm80")
@@ -245,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                     help="--bwd: also run each backward back to back this long, twice, alternating, with board "
                          "power and SM clock (nvidia-smi): under the H200's power cap speed follows energy per call")
+    ap.add_argument("--harness", nargs=2, metavar=("DIMS", "MASK"), action="append", default=[],
+                    help="bench_attention's backward row beside this file's timing of it, in one process")
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
     args = ap.parse_args(argv)
@@ -252,6 +295,8 @@ def main(argv=None):
         run_attention(int(dims), mask == "causal")
     for dims, mask in args.bwd:
         run_bwd(int(dims), mask == "causal", args.kernel_only, args.sustain)
+    for dims, mask in args.harness:
+        run_harness(int(dims), mask == "causal")
     for B, S, H in args.decode:
         run_decode(B, S, H)
     if args.layer:

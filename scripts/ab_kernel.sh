@@ -42,6 +42,6 @@ for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
   (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="/tmp/site:$d" MLA_AUTOGRAD_CACHE=$cache timeout 150 python3 bench/profile_ops.py --kernel-only \
      ${PROFILE:---bwd 192 causal} >"$OUTD/prof_$v$r.txt" 2>&1)
   echo "== $v round $r"
-  grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq" "$OUTD/prof_$v$r.txt" \
+  grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq|^decode |mla_decode_" "$OUTD/prof_$v$r.txt" \
     | sed -E 's/void fmha_bwd_sm90::fmha_bwd_sm90_//; s/cudnn_generated_fort_native_sdpa_sm90_//' | cut -c1-100
 done; done
