@@ -65,6 +65,11 @@ def _flex(q, k, v, causal, scale):
     return fn(q, k, v, block_mask=bm, scale=scale)
 
 
+def ours(q, k, v, causal, scale):
+    """mla_autograd.attention as every row of this benchmark calls it ((B, S, H, D) inputs, top-left mask)."""
+    return M.attention(q, k, v, causal=causal, softmax_scale=scale, causal_align="top_left")
+
+
 def peers(names=None):
     from torch.nn.attention import SDPBackend
     all_peers = {
@@ -239,8 +244,7 @@ def main():
         return
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
-    impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,
-                                                               causal_align="top_left")}
+    impls = {"mla_autograd": ours}
     impls.update(peers(args.peers.split(",") if args.peers else None))
     S = 4096 if args.quick else 8192
     shapes = [(2, 16, S, d, dv, c) for d, dv in ((192, 128), (128, 128)) for c in (False, True)]

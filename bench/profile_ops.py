@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mla_autograd as M  # noqa: E402
-from common import events_ms, graph_ms  # noqa: E402
+from common import events_ms, graph_ms, median_ms  # noqa: E402
 
 
 def queued_ms(fn, iters=10) -> float:
@@ -124,6 +124,16 @@ def sustained(fn, seconds: float) -> dict:
     return {"ms": ms, "W": steady["power_w"], "MHz": steady["sm_mhz"], "J": steady["power_w"] * ms / 1e3}
 
 
+def cudnn_backward(q, k, v, do, causal: bool, scale: float):
+    """SDPA cuDNN's backward alone, from one saved forward graph on (B, H, S, D) copies of q, k, v and dO
+    (the (B, S, H, D) tensors ours takes), with bench_attention's cuDNN peer as the forward."""
+    import bench_attention as BA
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    ot = BA.peers(["sdpa_cudnn"])["sdpa_cudnn"](qt, kt, vt, causal, scale)
+    return lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True)
+
+
 def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float = 0.0) -> None:
     """The backward alone (one saved forward graph), for mla_autograd.attention, the kernel family's own
     entry point (no Python, preallocated outputs) and SDPA cuDNN, each under three timers: triton's
@@ -131,9 +141,6 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
     (no flush), and one call at a time (synchronized). A gap between the API and the kernel entry that
     only one timer shows is the timer's; one that all show is ours. kernel_only: the kernel entry and cuDNN
     only, with out/lse from the reference forward (needs no forward kernel: quick A/B builds of the backward)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-    from common import median_ms
     from mla_autograd._build import load_family
     q, k, v, do = attention_inputs(dims)
     B, S, H, dqk = q.shape
@@ -151,17 +158,13 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
     ext = load_family(fam)
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
-    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    dot = do.transpose(1, 2).contiguous()
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
     fns = {} if kernel_only else {
         "api": lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
     }
     fns.update({
         "kernel entry": lambda: ext.bwd(do, qd, kd, vd, od, lse, dq, dk, dvv, None, None, None, None, scale, causal,
                                         False, False),
-        "sdpa_cudnn": lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True),
+        "sdpa_cudnn": cudnn_backward(q, k, v, do, causal, scale),
     })
     if not kernel_only:  # the same entry on the reference forward's out/lse: isolates the saved tensors
         with torch.no_grad():
@@ -192,26 +195,17 @@ def run_harness(dims: int, causal: bool, reps: int = 3) -> None:
     (c) bench_attention.bench_one (fresh inputs, a no-grad forward first, empty_cache between impls),
     alternating the order of the implementations."""
     import bench_attention as BA
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-    from common import median_ms
     dqk, dv = {192: (192, 128), 128: (128, 128), 64: (64, 64)}[dims]
     scale = dqk ** -0.5
-    impls = {"mla_autograd": lambda q, k, v, c, s: M.attention(q, k, v, causal=c, softmax_scale=s,
-                                                               causal_align="top_left"),
-             **BA.peers(["sdpa_cudnn"])}
+    impls = {"mla_autograd": BA.ours, **BA.peers(["sdpa_cudnn"])}
 
     def ours_and_cudnn(clear: bool):
         q, k, v, do = attention_inputs(dims)
-        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-        dot = do.transpose(1, 2).contiguous()
-        o = M.attention(q, k, v, causal=causal, causal_align="top_left", softmax_scale=scale)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        o = BA.ours(q, k, v, causal, scale)
+        cudnn = cudnn_backward(q, k, v, do, causal, scale)
         if clear:
             torch.cuda.empty_cache()
-        return (median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)),
-                median_ms(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True)))
+        return (median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)), median_ms(cudnn))
 
     print(f"\nharness check {dqk}/{dv} causal={causal}: backward ms (do_bench), ours / cuDNN")
     for r in range(reps):
