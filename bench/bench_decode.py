@@ -15,7 +15,7 @@ decode_schedule(seqlens, Sq, H) and passed as decode(..., schedule=) (main + mer
 the plan costs in a decode step). Writes JSON to bench/results/ and prints a table.
 
 Result JSON: {date, gpu, capability, torch, cuda, cudnn, commit, device, rows: [...]}; each row has
-  B, S, H, Sq, page, dtype, "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": the case
+  B, S, H, Sq, page, dtype, tune: the case (tune = set_tuning's arguments in order, TUNE_FIELDS; AUTO = automatic)
   kernel_us, kernel_GBps, kernel_TFps   decode() with its own schedule, on a stream
   graph_us, graph_GBps                  the same, replayed from a CUDA graph
   sched_us, sched_GBps, sched_TFps      decode(..., schedule=precomputed), on a stream
@@ -24,6 +24,8 @@ Result JSON: {date, gpu, capability, torch, cuda, cudnn, commit, device, rows: [
   sdpa_us, sdpa_GBps, sdpa_TFps         the SDPA baseline (or sdpa_error); max_abs_diff_vs_sdpa (Sq = 1)
 
     python bench/bench_decode.py [--quick] [--sweep] [--out FILE.json]   # default: bench/results/decode-<date>-<gpu>-<commit>.json
+    python bench/bench_decode.py --quick --no-sdpa --ab 0,0,0,-1,-1,-1,-1,-1,0 --rounds 3
+        # A/B in one process: each case with automatic tuning and with these set_tuning arguments, alternating
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_ms, median_ms, stamp, write  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
-AUTO = (0, 0, 0, -1, -1, -1, -1)  # set_tuning(stages, ctas_per_sm, max_m_tile, split_loaders, qk_narrow, ws, pdl): automatic
+TUNE_FIELDS = ("stages", "ctas_per_sm", "max_m_tile", "split_loaders", "qk_narrow", "ws", "pdl", "qk_mbar", "wide")
+AUTO = (0, 0, 0, -1, -1, -1, -1, -1, -1)  # set_tuning(*AUTO): every launch choice automatic
 
 
 def bench_ms(fn) -> float:
@@ -72,6 +75,7 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device="cuda")
     causal = Sq > 1
     ext.set_tuning(*tune)
+    kernel = ext.launch_info(B, Sq, H, torch.cuda.current_device())["kernel"]
     fn = lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)  # noqa: E731
     fn()
     torch.cuda.synchronize()
@@ -89,7 +93,7 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
-           "tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)": list(tune), "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
+           "tune": list(tune), "kernel": kernel, "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
            "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6,
            "sched_us": sms_ * 1e3, "sched_GBps": bytes_ / sms_ / 1e6, "sched_TFps": flops / sms_ / 1e9,
            "sched_graph_us": sgms * 1e3, "sched_graph_GBps": bytes_ / sgms / 1e6, "plan_graph_us": pgms * 1e3}
@@ -120,6 +124,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time launch-config variants (set_tuning)")
+    ap.add_argument("--ab", default=None,
+                    help="comma-separated set_tuning arguments (TUNE_FIELDS order): time every case with automatic "
+                         "tuning and with these, alternating the order, --rounds times")
+    ap.add_argument("--rounds", type=int, default=1, help="with --ab: rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.replot:
@@ -145,31 +153,40 @@ def main(argv=None):
         for tune in [(0, 2, 0, 1, -1, 0, -1), (3, 0, 0, -1, -1, 1, -1), (4, 0, 0, -1, -1, 1, -1), (0, 0, 0, -1, -1, -1, 0)]:
             cases.append(dict(B=128, S=4096, H=16, page=64, tune=tune))
             cases.append(dict(B=4, S=32768, H=16, page=64, tune=tune))
-        for tune in [(0, 0, 0, -1, 0, -1, -1), (0, 0, 32, -1, -1, 1, -1)]:
+        # 128 heads: the 32-token kernels (8 QK warps; 4 QK warps = NARROW) instead of the wide one, and the
+        # warp-specialized kernel on 32-row tiles
+        for tune in [(0, 0, 0, -1, 0, -1, -1), (0, 0, 0, -1, -1, -1, -1, -1, 0), (0, 0, 32, -1, -1, 1, -1)]:
             cases.append(dict(B=128, S=4096, H=128, page=64, tune=tune))
+    if args.ab:
+        ab = tuple(int(x) for x in args.ab.split(","))
+        cases = [dict(c, tune=t, sdpa=False, round=r) for r in range(args.rounds) for c in cases
+                 for t in ((AUTO, ab) if r % 2 == 0 else (ab, AUTO))]
     rows = []
     for c in cases:
         c.setdefault("tune", AUTO)
         if c["tune"] != AUTO:
             c["sdpa"] = False
         c.setdefault("sdpa", not args.no_sdpa)
+        rnd = c.pop("round", None)
         r = run_case(ext, **c)
+        if rnd is not None:
+            r["round"] = rnd
         rows.append(r)
         print(json.dumps(r), flush=True)
     dev = torch.cuda.get_device_name()
-    hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>13} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
+    hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>22} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
            f"{'graph us':>8} {'GB/s':>7} | {'sched us':>8} {'GB/s':>7} | {'s.graph':>8} {'GB/s':>7} {'plan us':>7} | "
            f"{'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
-    print(f"\nmla_decode_sm80 on {dev}\n" + hdr + "\n" + "-" * len(hdr))
+    print(f"\nmla_decode_sm80 on {dev}; tune = set_tuning({', '.join(TUNE_FIELDS)}), -1/0 = automatic\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
-        tn = ",".join(str(x) for x in r["tune(stages,ctas,max_m_tile,split_loaders,qk_narrow,ws,pdl)"])
-        print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>13} | "
+        tn = "auto" if tuple(r["tune"]) == AUTO else ",".join(str(x) for x in r["tune"])
+        print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>22} | "
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
               f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
               f"{r['plan_graph_us']:7.1f} | {s}")
     meta = stamp()
-    meta.update({"device": dev, "rows": rows})
+    meta.update({"device": dev, "tune_fields": TUNE_FIELDS, "rows": rows})
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ struct DevInfo { int major = 0, sms = 0, smem_optin = 0, smem_per_sm = 0; };
 
 // Tuning overrides for benchmarks (0 = automatic): cp.async stages, CTAs per SM, largest m-tile.
 int g_tune_stages = 0, g_tune_ctas = 0, g_tune_max_mtile = 0, g_tune_split_loaders = -1, g_tune_qk_narrow = -1, g_tune_ws = -1,
-    g_tune_pdl = -1, g_tune_qk_mbar = -1;
+    g_tune_pdl = -1, g_tune_qk_mbar = -1, g_tune_wide = -1;
 
 // "(d0, d1, ...)" without streaming an IntArrayRef.
 std::string shape_str(const at::Tensor& t) {
@@ -64,6 +64,7 @@ struct LaunchShape {
   bool ws = false;          // the warp-specialized kernel (when the caches' strides also fit int32: decode_impl)
   int ws_stages = 0;        // its cp.async stages
   int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
+  bool wide = false;        // 64-row tiles: the wide all-warps kernel (64 KV tokens per step)
   int ctas = 1;             // CTAs per SM counted by num_parts
   int num_parts = 1;        // target number of CTAs per m-block
   int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
@@ -88,6 +89,14 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
     const int per_cta = (prop.smem_per_sm / 2) - 1024;  // 1 KB per CTA reserved by the runtime
     const int s2 = mds::max_stages_for(m_tile, per_cta);
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
+  }
+  // 64-row tiles: the wide kernel (64 KV tokens per step, all eight warps on S) wherever two of its stages fit
+  // (sm_90's 227 KB, not sm_80's 163 KB). An explicit qk_narrow or stages override keeps the 32-token kernel
+  // unless wide=1 is asked for as well.
+  if (m_tile == 64 && g_tune_wide != 0) {
+    const int wide_stages = mds::wide_stages_for(prop.smem_optin);
+    const bool want = g_tune_wide == 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
+    if (want && wide_stages >= mds::kMinStages) { ls.wide = true; stages = wide_stages; }
   }
   if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
   ls.stages = stages;
@@ -241,6 +250,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   int lg = 0; while ((int64_t(1) << lg) < page_size) ++lg;
   p.log2_page = lg;
   p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
+  p.wide = ls.wide ? 1 : 0;
   // Programmatic dependent launch (sm_90+): main and merge kernels start while their predecessor finishes.
   p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
   // Warp-specialized kernel: the QK warps' own sync on an mbarrier instead of named barrier 1 (auto: off).
@@ -341,23 +351,47 @@ int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64
   return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, "schedule_numel").sched_numel();
 }
 
+// Which main kernel a decode call of these shapes launches on `device`, with the launch shape (for tests, benchmarks
+// and mla_autograd.explain). "warp_specialized" falls back to "all_warps" at decode time when a cache stride
+// exceeds 32 bits.
+py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device) {
+  MLA_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads >= 1, "launch_info: batch, seqlen_q and num_heads must be >= 1");
+  const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), 0, "launch_info");
+  const char* kernel = ls.ws ? "warp_specialized"
+                     : ls.m_tile < 64 ? "all_warps"
+                     : ls.wide ? "all_warps_wide"
+                     : g_tune_qk_narrow != 0 ? "all_warps_narrow" : "all_warps";
+  py::dict d;
+  d["kernel"] = kernel;
+  d["m_tile"] = ls.m_tile;
+  d["num_mblocks"] = ls.num_mblocks;
+  d["stages"] = ls.ws ? ls.ws_stages : ls.stages;
+  d["tokens_per_step"] = ls.wide ? 2 * mds::kBlockN : mds::kBlockN;
+  d["ctas_per_sm"] = ls.ctas;
+  d["num_parts"] = ls.num_parts;
+  return d;
+}
+
 void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
-                int64_t ws, int64_t pdl, int64_t qk_mbar) {
+                int64_t ws, int64_t pdl, int64_t qk_mbar, int64_t wide) {
+  // every check before any assignment: a rejected call leaves the tuning as it was
   MLA_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
               mds::kMinStages, ", ", mds::kMaxStages, "]");
   MLA_CHECK(ctas_per_sm >= 0 && ctas_per_sm <= 2, "set_tuning: ctas_per_sm must be 0, 1 or 2");
   MLA_CHECK(max_m_tile == 0 || max_m_tile == 16 || max_m_tile == 32 || max_m_tile == 64, "set_tuning: max_m_tile must be 0, 16, 32 or 64");
   MLA_CHECK(split_loaders >= -1 && split_loaders <= 1, "set_tuning: split_loaders must be -1 (auto), 0 or 1");
-  g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
   MLA_CHECK(qk_narrow >= -1 && qk_narrow <= 1, "set_tuning: qk_narrow must be -1 (auto), 0 or 1");
+  MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
+  MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
+  MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
+  MLA_CHECK(wide >= -1 && wide <= 1, "set_tuning: wide must be -1 (auto), 0 or 1");
+  g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);
-  MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
   g_tune_ws = int(ws);
-  MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
   g_tune_pdl = int(pdl);
-  MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
   g_tune_qk_mbar = int(qk_mbar);
+  g_tune_wide = int(wide);
 }
 
 }  // namespace
@@ -380,7 +414,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache_seqlens"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("num_splits") = 0);
   m.def("schedule_numel", &schedule_numel, "int32 elements of decode_schedule()'s result on CUDA device `device`",
         py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"), py::arg("num_splits") = 0);
+  m.def("launch_info", &launch_info,
+        "launch_info(batch, seqlen_q, num_heads, device) -> dict: the main kernel a decode call of these shapes runs "
+        "(kernel, m_tile, num_mblocks, stages, tokens_per_step, ctas_per_sm, num_parts)",
+        py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"));
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
-        py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1);
+        py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1,
+        py::arg("wide") = -1);
 }

@@ -15,20 +15,33 @@ constexpr int kPageRing = 2 * kMaxStages;  // tiles of page ids staged in smem a
 constexpr int kRowBytes = kDimQK * 2;      // 1152 B per smem row (Q and KV), 9 x 128 B, XOR-swizzled
 constexpr int kPStride = kBlockN + 8;      // P row stride (elements), padded: conflict-free ldmatrix
 
-// Rows (token, head) per CTA: 16, 32 or 64 (M = Sq * H rounded up to 16, capped at 64).
+// Rows (token, head) per CTA: 16, 32 or 64 (M = Sq * H rounded up to 16, capped at 64); BN KV tokens per
+// step of the main loop (kBlockN, or 2 x kBlockN for the wide 64-row tile below).
 // NARROW (64-row tiles): four warps compute S (16 x 32 each, no cross-warp row-max exchange needed for
 // the columns) while the other four issue the next tiles' cp.async; otherwise all warps compute S.
-template <int M_TILE, bool NARROW = false>
+// Wide (64-row tiles, BN = 64): all eight warps compute S, each 16 rows x 32 tokens (the NARROW warp tile,
+// so K is read from smem as often per token), over two 32-token tiles at once; half the barriers per token
+// and twice the warps in the QK phase, which the NARROW layout spends with four warps idle. Two stages of 64
+// tokens (one step in flight) fit the H200's 227 KB beside Q; the page-id ring is 4 steps and the row-sum
+// exchange reuses the row-max buffer.
+template <int M_TILE, bool NARROW = false, int BN = kBlockN>
 struct TileConfig {
   static_assert(M_TILE == 16 || M_TILE == 32 || M_TILE == 64, "M_TILE must be 16, 32 or 64");
+  static_assert(BN == kBlockN || (BN == 2 * kBlockN && M_TILE == 64 && !NARROW), "BN = 64 only for the wide 64-row tile");
+  static constexpr bool kWide = BN != kBlockN;
   static constexpr int kMTiles = M_TILE / 16;                       // 16-row mma tiles in the PV phase
   static constexpr int kWR = M_TILE / 16;                           // QK warp grid: rows
-  static constexpr int kWC = NARROW ? 1 : ((kWarps / kWR) < (kBlockN / 8) ? (kWarps / kWR) : (kBlockN / 8));  // QK warp grid: cols
+  static constexpr int kWC = NARROW ? 1 : ((kWarps / kWR) < (BN / 8) ? (kWarps / kWR) : (BN / 8));  // QK warp grid: cols
   static constexpr int kQKWarps = kWR * kWC;                        // warps that compute S (the rest wait)
-  static constexpr int kQKCols = kBlockN / kWC;                     // tokens per QK warp
+  static constexpr int kQKCols = BN / kWC;                          // tokens per QK warp
   static constexpr int kQKNTiles = kQKCols / 8;
   static constexpr int kPVCols = kDimCkv / kWarps;                  // 64 output dims per warp
   static constexpr int kPVNTiles = kPVCols / 8;
+  static constexpr int kPStride = BN + 8;                           // P row stride (elements): conflict-free ldmatrix
+  // Tiles of page ids in the smem ring: at least 2 * stages (the loads run 2 * stages - 2 tiles ahead).
+  static constexpr int kRing = kWide ? 4 : kPageRing;
+  static constexpr int kMaxStagesT = kRing / 2;
+  static constexpr int kRedBufs = kWide ? 1 : 2;                    // row max and row sum: own buffers, or one
   // Register budget: up to 64 rows x 64 fp32 accumulators per warp need one CTA per SM; 16/32-row tiles
   // are compiled for two co-resident CTAs (<= 128 registers) so one CTA's barriers hide behind the other.
   static constexpr int kMinBlocks = M_TILE <= 32 ? 2 : 1;
@@ -36,10 +49,10 @@ struct TileConfig {
 
   static constexpr int smem_bytes(int stages) {
     return M_TILE * kRowBytes                 // Q
-         + stages * kBlockN * kRowBytes       // KV stages
+         + stages * BN * kRowBytes            // KV stages
          + M_TILE * kPStride * 2              // P (bf16/fp16)
-         + 2 * kWC * M_TILE * 4               // row max / row sum exchange
-         + kPageRing * kBlockN * 4;           // page-id ring
+         + kRedBufs * kWC * M_TILE * 4        // row max / row sum exchange
+         + kRing * BN * 4;                    // page-id ring
   }
 };
 

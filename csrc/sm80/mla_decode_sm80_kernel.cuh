@@ -111,26 +111,28 @@ __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
   return w;
 }
 
-// Page ids of the item's tiles [0, n_pre) into the smem ring with plain loads (0 past the range), by
-// `nthreads` threads from `tid`; later tiles arrive through load_page_ids_async.
+// Page ids of the item's tiles [0, n_pre) of BN tokens into the smem ring of RING tiles with plain loads
+// (0 past the range), by `nthreads` threads from `tid`; later tiles arrive through load_page_ids_async.
+template <int BN = kBlockN, int RING = kPageRing>
 __device__ __forceinline__ void stage_page_ids(const DecodeParams& p, const WorkItem& w, int* sPage, int n_pre,
                                                int tid, int nthreads) {
   const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
-  for (int idx = tid; idx < n_pre * kBlockN; idx += nthreads) {
-    const int t = idx / kBlockN, r = idx % kBlockN;
-    const int tok = w.kv_begin + t * kBlockN + r;
-    sPage[(t % kPageRing) * kBlockN + r] = (t < w.n_tiles && tok < w.kv_end) ? __ldg(bt + (tok >> p.log2_page)) : 0;
+  for (int idx = tid; idx < n_pre * BN; idx += nthreads) {
+    const int t = idx / BN, r = idx % BN;
+    const int tok = w.kv_begin + t * BN + r;
+    sPage[(t % RING) * BN + r] = tok < w.kv_end ? __ldg(bt + (tok >> p.log2_page)) : 0;
   }
 }
 
-// Page ids of `tile` into its ring slot by 4-byte cp.async (threads 0..kBlockN-1; zero past the range).
+// Page ids of `tile` (BN tokens) into its ring slot by 4-byte cp.async (threads 0..BN-1; zero past the range).
+template <int BN = kBlockN, int RING = kPageRing>
 __device__ __forceinline__ void load_page_ids_async(const DecodeParams& p, const WorkItem& w, uint32_t sPage_a, int tile,
                                                     int tid) {
-  if (tid < kBlockN) {
+  if (tid < BN) {
     const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
-    const int tok = w.kv_begin + tile * kBlockN + tid;
+    const int tok = w.kv_begin + tile * BN + tid;
     const bool ok = tok < w.kv_end;
-    cp_async4(sPage_a + ((tile % kPageRing) * kBlockN + tid) * 4,
+    cp_async4(sPage_a + ((tile % RING) * BN + tid) * 4,
               ok ? static_cast<const void*>(bt + (tok >> p.log2_page)) : static_cast<const void*>(bt), ok);
   }
 }
@@ -166,9 +168,10 @@ __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem&
   }
 }
 
-template <typename Elem, int M_TILE, bool NARROW>
+template <typename Elem, int M_TILE, bool NARROW, int BN>
 __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_decode_kernel(const DecodeParams p) {
-  using Cfg = TileConfig<M_TILE, NARROW>;
+  using Cfg = TileConfig<M_TILE, NARROW, BN>;
+  constexpr int kRing = Cfg::kRing;
   constexpr int MT = Cfg::kMTiles;
   constexpr int WC = Cfg::kWC;
   constexpr int QKN = Cfg::kQKNTiles;
@@ -178,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const int mblock = blockIdx.x;
   const WorkItem w = work_item(p, item);
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit
-  const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
+  const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;  // steps of BN tokens
   const int L = p.seqlens[b];
   const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
@@ -187,10 +191,12 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sQ = smem;
   uint8_t* sKV = sQ + M_TILE * kRowBytes;
-  uint8_t* sP = sKV + stages * kBlockN * kRowBytes;
-  float* sRedMax = reinterpret_cast<float*>(sP + M_TILE * kPStride * 2);
-  float* sRedSum = sRedMax + WC * M_TILE;
-  int* sPage = reinterpret_cast<int*>(sRedSum + WC * M_TILE);
+  uint8_t* sP = sKV + stages * BN * kRowBytes;
+  float* sRedMax = reinterpret_cast<float*>(sP + M_TILE * Cfg::kPStride * 2);
+  // One buffer (wide tile): the row sums are exchanged after the loop, whose last reads of the row maxima
+  // precede its last barrier.
+  float* sRedSum = sRedMax + (Cfg::kRedBufs - 1) * WC * M_TILE;
+  int* sPage = reinterpret_cast<int*>(sRedMax + Cfg::kRedBufs * WC * M_TILE);
   const uint32_t sQ_a = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
   const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
   const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
@@ -207,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
 
   // ---- page ids of the first 2*stages-2 tiles (plain loads; later tiles arrive by cp.async) ----
-  stage_page_ids(p, w, sPage, 2 * stages - 2, tid, kThreads);
+  stage_page_ids<BN, kRing>(p, w, sPage, 2 * stages - 2, tid, kThreads);
 
   // ---- Q tile (rows (token, head), zero-filled past Sq*H) ----
   {
@@ -230,14 +236,14 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   // compute S, so that a stalled cp.async issue overlaps the QK phase instead of delaying it. ----
   auto load_kv_n = [&](auto nl_const, int tile, int lt) {
     constexpr int NL = decltype(nl_const)::value;
-    static_assert(NL % 64 == 0 && (kBlockN * 64) % NL == 0, "loader thread count");
+    static_assert(NL % 64 == 0 && (BN * 64) % NL == 0, "loader thread count");
     const int buf = tile % stages;
-    const uint32_t dst = sKV_a + buf * (kBlockN * kRowBytes);
-    const int* pid = sPage + (tile % kPageRing) * kBlockN;
-    const int tok0 = kv_begin + tile * kBlockN;
+    const uint32_t dst = sKV_a + buf * (BN * kRowBytes);
+    const int* pid = sPage + (tile % kRing) * BN;
+    const int tok0 = kv_begin + tile * BN;
     const int c = lt & 63;
 #pragma unroll 4
-    for (int k = 0; k < kBlockN * 64 / NL; ++k) {
+    for (int k = 0; k < BN * 64 / NL; ++k) {
       const int r = (lt >> 6) + (NL / 64) * k;
       const int tok = tok0 + r;
       const bool ok = tok < kv_end;
@@ -245,9 +251,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       cp_async16(dst + swz(r, c * 8), ok ? static_cast<const void*>(ckv + off) : p.ckv, ok);
     }
 #pragma unroll
-    for (int k = 0; k < (kBlockN * 8 + NL - 1) / NL; ++k) {
+    for (int k = 0; k < (BN * 8 + NL - 1) / NL; ++k) {
       const int idx = lt + k * NL;
-      if (idx < kBlockN * 8) {
+      if (idx < BN * 8) {
         const int r = idx >> 3, cc = idx & 7;
         const int tok = tok0 + r;
         const bool ok = tok < kv_end;
@@ -256,10 +262,46 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       }
     }
   };
+  // Wide tile (all 256 threads load 64 rows, on every warp's way into its QK work, so the per-row cost counts):
+  // warp w takes rows w, w + 8, ..., each as two 512-byte ckv halves (one warp instruction each) and, 32 rows per
+  // instruction, the 128-byte kpe rows. Every row of warp w has row % 8 == w, so the swizzled smem column of each
+  // copy is a per-lane constant, and a row costs one page-id read and one offset (the loop above: one per
+  // 16-byte copy). Rows past the range are zero-filled; their page-ring entry is 0, an in-bounds address.
+  const Elem* ckv_lane = ckv + lane * 8;
+  const Elem* kpe_lane = kpe + (lane & 7) * 8;
+  const uint32_t wcol0 = swz(warp, lane * 8) - warp * kRowBytes;
+  const uint32_t wcol1 = swz(warp, 256 + lane * 8) - warp * kRowBytes;
+  const int wkpe_row = warp + kWarps * (lane >> 3);  // + 32 k: the same row % 8
+  const uint32_t wkpe_dst = swz(wkpe_row, kDimCkv + (lane & 7) * 8);
+  auto load_kv_wide = [&](int tile) {
+    const uint32_t dst = sKV_a + (tile % stages) * (BN * kRowBytes);
+    const int* pid = sPage + (tile % kRing) * BN;
+    const int tok0 = kv_begin + tile * BN;
+#pragma unroll
+    for (int k = 0; k < BN / kWarps; ++k) {
+      const int r = warp + kWarps * k;
+      const int tok = tok0 + r;
+      const Elem* src = ckv_lane + (int64_t(pid[r]) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row);
+      const uint32_t d = dst + r * kRowBytes;
+      cp_async16(d + wcol0, src, tok < kv_end);
+      cp_async16(d + wcol1, src + 256, tok < kv_end);
+    }
+#pragma unroll
+    for (int k = 0; k < BN / 32; ++k) {
+      const int r = wkpe_row + 32 * k;
+      const int tok = tok0 + r;
+      const Elem* src = kpe_lane + (int64_t(pid[r]) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row);
+      cp_async16(dst + wkpe_dst + 32 * k * kRowBytes, src, tok < kv_end);
+    }
+  };
   constexpr int kIdleThreads = (kWarps - Cfg::kQKWarps) * 32;
   const bool split_loaders = kIdleThreads >= 64 && p.split_loaders;
   auto load_kv = [&](int tile) {
-    if constexpr (kIdleThreads >= 64 && (kBlockN * 64) % (kIdleThreads > 0 ? kIdleThreads : 64) == 0) {
+    if constexpr (Cfg::kWide) {
+      load_kv_wide(tile);
+      return;
+    }
+    if constexpr (kIdleThreads >= 64 && (BN * 64) % (kIdleThreads > 0 ? kIdleThreads : 64) == 0) {
       if (split_loaders) {
         if (warp >= Cfg::kQKWarps) load_kv_n(std::integral_constant<int, kIdleThreads>{}, tile, tid - Cfg::kQKWarps * 32);
         return;
@@ -268,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     load_kv_n(std::integral_constant<int, kThreads>{}, tile, tid);
   };
 
-  auto load_pages = [&](int tile) { load_page_ids_async(p, w, sPage_a, tile, tid); };
+  auto load_pages = [&](int tile) { load_page_ids_async<BN, kRing>(p, w, sPage_a, tile, tid); };
 
   for (int s = 0; s < stages - 1; ++s) {
     if (s < n_tiles) load_kv(s);
@@ -313,8 +355,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       if (t2 < n_tiles) load_pages(t2);
       cp_async_commit();
     }
-    const uint32_t kv_a = sKV_a + (i % stages) * (kBlockN * kRowBytes);
-    const int tok0 = kv_begin + i * kBlockN;
+    const uint32_t kv_a = sKV_a + (i % stages) * (BN * kRowBytes);
+    const int tok0 = kv_begin + i * BN;
 
     // ---- S = Q K^T on the QK warps ----
     float s[QKN][4];
@@ -409,8 +451,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         }
         const int col = wc * Cfg::kQKCols + nt * 8 + 2 * q4;
         const int r0 = wr * 16 + g;
-        *reinterpret_cast<uint32_t*>(sP + (r0 * kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
+        *reinterpret_cast<uint32_t*>(sP + (r0 * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
       }
       l_part[0] = l_part[0] * qk_alpha[0] + rs[0];
       l_part[1] = l_part[1] * qk_alpha[1] + rs[1];
@@ -426,11 +468,11 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
       }
 #pragma unroll (M_TILE == 32 ? 1 : 2)
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+    for (int ks = 0; ks < BN / 16; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4(sP_a + ((mt * 16 + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+        ldsm_x4(sP_a + ((mt * 16 + (lane & 15)) * Cfg::kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
 #pragma unroll
       for (int np = 0; np < PVN / 2; ++np) {
         uint32_t bb[4];
@@ -483,10 +525,10 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
 namespace mla_decode_sm80 {
 
-template <typename Elem, int M_TILE, bool NARROW>
+template <typename Elem, int M_TILE, bool NARROW, int BN = kBlockN>
 void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW>;
-  const int smem = TileConfig<M_TILE, NARROW>::smem_bytes(p.stages);
+  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW, BN>;
+  const int smem = TileConfig<M_TILE, NARROW, BN>::smem_bytes(p.stages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
   launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
@@ -498,7 +540,8 @@ void launch_decode_typed(const DecodeParams& p, int m_tile, cudaStream_t stream)
     case 16: launch_decode_tile<Elem, 16, false>(p, stream); break;
     case 32: launch_decode_tile<Elem, 32, false>(p, stream); break;
     default:
-      if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
+      if (p.wide) launch_decode_tile<Elem, 64, false, 2 * kBlockN>(p, stream);
+      else if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
       else launch_decode_tile<Elem, 64, false>(p, stream);
       break;
   }

@@ -117,6 +117,14 @@ int max_stages_for(int m_tile, int smem_optin) {
   return most_stages_that_fit(kMinStages, smem_optin, [&](int s) { return smem_bytes_for(m_tile, s); });
 }
 
+int wide_stages_for(int smem_optin) {
+  using Cfg = TileConfig<64, false, 2 * kBlockN>;
+  int best = 0;
+  for (int st = kMinStages; st <= Cfg::kMaxStagesT; ++st)
+    if (Cfg::smem_bytes(st) <= smem_optin) best = st;
+  return best;
+}
+
 int ws_max_stages_for(int m_tile, int smem_optin) {
   return most_stages_that_fit(WsTileConfig<16>::kMinStages, smem_optin, [&](int s) {
     return m_tile <= 16 ? WsTileConfig<16>::smem_bytes(s) : WsTileConfig<32>::smem_bytes(s);

@@ -52,6 +52,9 @@ struct DecodeParams {
   // Host-side launch choice, last so that the fields the kernels read keep their offsets: the warp-specialized
   // kernel's QK warps sync on an mbarrier (1; its kQkMbar instantiation) or on named barrier 1 (0).
   int qk_mbar;
+  // Host-side launch choice: 64-row tiles run the wide all-warps kernel (1; TileConfig<64, false, 64>: 64 KV
+  // tokens per step, all eight warps compute S) or the 32-token one of qk_narrow (0).
+  int wide;
 };
 
 // Host launchers (defined in the .cu files).
@@ -61,5 +64,6 @@ void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream);
 int max_stages_for(int m_tile, int smem_optin);
 int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);
+int wide_stages_for(int smem_optin);  // stages of the wide 64-row kernel that fit (0: it does not fit)
 
 }  // namespace mla_decode_sm80

@@ -80,14 +80,17 @@ def main() -> int:
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator
-    qn = torch.randn(4, 1, 16, 512, device=dev, dtype=dt, generator=g)
-    qp = torch.randn(4, 1, 16, 64, device=dev, dtype=dt, generator=g)
-    with torch.inference_mode():
-        o, lse = M.decode(qn, qp, ckv, kpe, table, seqlens.to(dev), softmax_scale=0.07, return_lse=True)
-        ro, rlse = reference.decode_forward(qn.float(), qp.float(), ckv.float(), kpe.float(), table,
-                                            seqlens.to(dev), softmax_scale=0.07, causal=True)
-    print(f"decode backend: {M.explain_decode(qn, qp, ckv).decode.backend}", flush=True)
-    ok &= _close("decode out", o, ro)
+    # H=16: the warp-specialized kernel; H=64, Sq=2: the wide 64-row kernel where it fits (sm_90), 100 tokens = one
+    # whole 64-token step and one that ends inside its first half
+    for H, Sq in ((16, 1), (64, 2)):
+        qn = torch.randn(4, Sq, H, 512, device=dev, dtype=dt, generator=g)
+        qp = torch.randn(4, Sq, H, 64, device=dev, dtype=dt, generator=g)
+        with torch.inference_mode():
+            o, lse = M.decode(qn, qp, ckv, kpe, table, seqlens.to(dev), softmax_scale=0.07, return_lse=True)
+            ro, rlse = reference.decode_forward(qn.float(), qp.float(), ckv.float(), kpe.float(), table,
+                                                seqlens.to(dev), softmax_scale=0.07, causal=True)
+        print(f"decode H={H} Sq={Sq} backend: {M.explain_decode(qn, qp, ckv).decode.backend}", flush=True)
+        ok &= _close(f"decode out H={H} Sq={Sq}", o, ro)
     torch.cuda.synchronize()
     print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
     return 0 if ok else 1

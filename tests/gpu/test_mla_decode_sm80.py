@@ -201,12 +201,14 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
 @pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
                                   (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1),
                                   (4, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0),
-                                  (0, 0, 0, -1, -1, -1, -1, 1), (3, 0, 32, -1, -1, 1, 0, 1)],
+                                  (0, 0, 0, -1, -1, -1, -1, 1), (3, 0, 32, -1, -1, 1, 0, 1),
+                                  (0, 0, 0, -1, -1, -1, -1, -1, 0), (0, 0, 0, -1, 1, -1, 0, -1, 1)],
                          ids=str)
 def test_decode_launch_variants(ext, tune):
     # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows,
     # warp-specialized kernel for 16/32-row tiles[, programmatic dependent launch[, its QK warps' sync on an
-    # mbarrier]]); the m-tile caps put the warp-specialized kernel on 128 heads too
+    # mbarrier[, the wide 64-row kernel]]]); the m-tile caps put the warp-specialized kernel on 128 heads too. An
+    # explicit qk_narrow or stages selects the 32-token 64-row kernels unless wide=1.
     ext.set_tuning(*tune)
     try:
         for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
@@ -214,6 +216,27 @@ def test_decode_launch_variants(ext, tune):
                       causal=causal, seed=H + Sq)
     finally:
         ext.set_tuning(0, 0, 0, -1, -1, -1)
+
+
+@pytest.mark.parametrize("wide", [1, 0], ids=["wide", "narrow"])
+@pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
+                                                   (32, 4, True, 256), (128, 8, True, 64)])
+def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
+    # 64-row tiles: the wide kernel (64 KV tokens per step, all warps on S; automatic where it fits) and the
+    # 32-token NARROW kernel it replaced, on the same cases: lengths that end mid-step (17, 1000, 4097: odd
+    # numbers of 32-token tiles, so the last step's second half lies past the end and is zero-filled), empty
+    # requests, padding rows (24 x 3 = 72 rows), and splits (4097 tokens over several CTAs)
+    ext.set_tuning(wide=wide)
+    try:
+        info = ext.launch_info(6, Sq, H, torch.cuda.current_device())
+        assert info["m_tile"] == 64 and info["kernel"] == ("all_warps_wide" if wide else "all_warps_narrow"), info
+        for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
+            _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
+                      fused=fused, causal=causal, seed=H * 7 + Sq)
+        _run_case(ext, lens=[4097, 33], H=H, Sq=Sq, page_size=page_size, dtype=torch.bfloat16, fused=True,
+                  causal=causal, splits=5, seed=H + 5)
+    finally:
+        ext.set_tuning()
 
 
 def test_decode_qk_mbarrier_same_bits(ext):
