@@ -128,6 +128,8 @@ def main(argv=None):
                     help="comma-separated set_tuning arguments (TUNE_FIELDS order): time every case with automatic "
                          "tuning and with these, alternating the order, --rounds times")
     ap.add_argument("--rounds", type=int, default=1, help="with --ab: rounds")
+    ap.add_argument("--case", action="append", default=None, metavar="B,S,H[,Sq]",
+                    help="time these cases (bf16, page 64) instead of the default list; repeatable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.replot:
@@ -157,6 +159,8 @@ def main(argv=None):
         # warp-specialized kernel on 32-row tiles
         for tune in [(0, 0, 0, -1, 0, -1, -1), (0, 0, 0, -1, -1, -1, -1, -1, 0), (0, 0, 32, -1, -1, 1, -1)]:
             cases.append(dict(B=128, S=4096, H=128, page=64, tune=tune))
+    if args.case:
+        cases = [dict(zip(("B", "S", "H", "Sq"), (int(x) for x in c.split(","))), page=64) for c in args.case]
     if args.ab:
         ab = tuple(int(x) for x in args.ab.split(","))
         cases = [dict(c, tune=t, sdpa=False, round=r) for r in range(args.rounds) for c in cases

@@ -64,7 +64,8 @@ struct LaunchShape {
   bool ws = false;          // the warp-specialized kernel (when the caches' strides also fit int32: decode_impl)
   int ws_stages = 0;        // its cp.async stages
   int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
-  bool wide = false;        // 64-row tiles: the wide all-warps kernel (64 KV tokens per step)
+  int wide = 0;             // 64-row tiles: the wide all-warps kernel (64 KV tokens per step); 1: its QK warps
+                            // split the contraction (32 x 32 warp tiles), 2: they do not (16 x 32)
   int ctas = 1;             // CTAs per SM counted by num_parts
   int num_parts = 1;        // target number of CTAs per m-block
   int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
@@ -95,8 +96,8 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   // unless wide=1 is asked for as well.
   if (m_tile == 64 && g_tune_wide != 0) {
     const int wide_stages = mds::wide_stages_for(prop.smem_optin);
-    const bool want = g_tune_wide == 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
-    if (want && wide_stages >= mds::kMinStages) { ls.wide = true; stages = wide_stages; }
+    const bool want = g_tune_wide >= 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
+    if (want && wide_stages >= mds::kMinStages) { ls.wide = g_tune_wide == 2 ? 2 : 1; stages = wide_stages; }
   }
   if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
   ls.stages = stages;
@@ -250,7 +251,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   int lg = 0; while ((int64_t(1) << lg) < page_size) ++lg;
   p.log2_page = lg;
   p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
-  p.wide = ls.wide ? 1 : 0;
+  p.wide = ls.wide;
   // Programmatic dependent launch (sm_90+): main and merge kernels start while their predecessor finishes.
   p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
   // Warp-specialized kernel: the QK warps' own sync on an mbarrier instead of named barrier 1 (auto: off).
@@ -359,7 +360,8 @@ py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t
   const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), 0, "launch_info");
   const char* kernel = ls.ws ? "warp_specialized"
                      : ls.m_tile < 64 ? "all_warps"
-                     : ls.wide ? "all_warps_wide"
+                     : ls.wide == 1 ? "all_warps_wide"
+                     : ls.wide == 2 ? "all_warps_wide_unsplit"
                      : g_tune_qk_narrow != 0 ? "all_warps_narrow" : "all_warps";
   py::dict d;
   d["kernel"] = kernel;
@@ -384,7 +386,7 @@ void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t
   MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
   MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
   MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
-  MLA_CHECK(wide >= -1 && wide <= 1, "set_tuning: wide must be -1 (auto), 0 or 1");
+  MLA_CHECK(wide >= -1 && wide <= 2, "set_tuning: wide must be -1 (auto), 0, 1 or 2 (wide without the split QK)");
   g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);

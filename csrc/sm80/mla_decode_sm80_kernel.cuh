@@ -168,7 +168,7 @@ __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem&
   }
 }
 
-template <typename Elem, int M_TILE, bool NARROW, int BN>
+template <typename Elem, int M_TILE, bool NARROW, int BN, bool KSPLIT>
 __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_decode_kernel(const DecodeParams p) {
   using Cfg = TileConfig<M_TILE, NARROW, BN>;
   constexpr int kRing = Cfg::kRing;
@@ -361,35 +361,112 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     // ---- S = Q K^T on the QK warps ----
     float s[QKN][4];
     if (qk_warp) {
-      constexpr int NACC = Cfg::kQKAcc;
-      float acc[QKN][NACC][4];
+      float sacc[QKN][4];  // this warp's 16 rows x kQKCols tokens of S (unscaled)
+      if constexpr (Cfg::kWide && KSPLIT) {
+        // Wide tile, split contraction: warp (rh, kh, wc) = (warp >> 2, (warp >> 1) & 1, warp & 1) computes rows
+        // [32 rh, 32 rh + 32) x tokens [32 wc, 32 wc + 32) over dims [288 kh, 288 kh + 288): a 32 x 32 warp tile
+        // reads Q and K fragments half as often per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is
+        // what bounds the QK phase (ncu: mma waiting on ldmatrix). The partner warp (warp ^ 2, other kh) then
+        // trades halves through the free P buffer, and each keeps 16 rows: wr = 2 rh + kh, as the other layouts.
+        static_assert(QKN == 4 && Cfg::kQKCols == 32 && WC == 2, "wide tile layout");
+        const int rh = warp >> 2, kh = (warp >> 1) & 1;
+        float acc[2][QKN][4];
 #pragma unroll
-      for (int nt = 0; nt < QKN; ++nt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int a = 0; a < NACC; ++a)
+          for (int nt = 0; nt < QKN; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][a][e] = 0.f;
-      const int arow = wr * 16 + (lane & 15);
-      const int acol = (lane >> 4) * 8;
-      constexpr int kHalf = NACC / 2;  // k-chunks of 32 cycled over the accumulator pairs
-      static_assert((kDimQK / 32) % kHalf == 0, "k chunks must divide evenly");
-#pragma unroll (M_TILE == 32 ? 2 : 3)
-      for (int kq = 0; kq < kDimQK / 32; kq += kHalf) {
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+        const int arow = rh * 32 + (lane & 15);
+        const int acol = (lane >> 4) * 8;
+        const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
+        const int bcol = ((lane >> 3) & 1) * 8;
+        const int k0 = kh * (kDimQK / 2);
+#pragma unroll 3
+        for (int ks = 0; ks < kDimQK / 2 / 16; ++ks) {
+          const int k = k0 + ks * 16;
+          uint32_t a[2][4], bq[2][4];
+          ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
+          ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
+          ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
+          ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
 #pragma unroll
-        for (int hf = 0; hf < kHalf; ++hf) {
-          const int kp = kq + hf;
-          uint32_t a0[4], a1[4];
-          ldsm_x4(sQ_a + swz(arow, kp * 32 + acol), a0);
-          ldsm_x4(sQ_a + swz(arow, kp * 32 + 16 + acol), a1);
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
+              mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
+            }
+        }
+        // Trade halves with the partner through the P buffer (P of the previous step was read before B1; this
+        // step's P is written after B2): kh = 0 sends rows 16-31, then kh = 1 adds them and sends rows 0-15 from
+        // the same slot (its own read precedes its write), 2 KB per pair and direction, float4 by lane.
+        const int pair = rh * 2 + wc;
+        float4* slot = reinterpret_cast<float4*>(sP + pair * (QKN * 32 * 16)) + lane;
+        const uint32_t bar_id = 1 + pair;  // named barriers 1..4 (0 is __syncthreads)
+        auto pair_sync = [&]() { asm volatile("bar.sync %0, 64;\n" :: "r"(bar_id) : "memory"); };
+        if (kh == 0) {
+#pragma unroll
+          for (int nt = 0; nt < QKN; ++nt) slot[nt * 32] = make_float4(acc[1][nt][0], acc[1][nt][1], acc[1][nt][2], acc[1][nt][3]);
+          pair_sync();
+          pair_sync();
 #pragma unroll
           for (int nt = 0; nt < QKN; ++nt) {
-            uint32_t bb[4];
-            const int brow = wc * Cfg::kQKCols + nt * 8 + (lane & 7);
-            ldsm_x4(kv_a + swz(brow, kp * 32 + (lane >> 3) * 8), bb);
-            mma16816<Elem>(acc[nt][hf * 2 + 0], a0, bb[0], bb[1]);
-            mma16816<Elem>(acc[nt][hf * 2 + 1], a1, bb[2], bb[3]);
+            const float4 o4 = slot[nt * 32];
+            sacc[nt][0] = acc[0][nt][0] + o4.x; sacc[nt][1] = acc[0][nt][1] + o4.y;
+            sacc[nt][2] = acc[0][nt][2] + o4.z; sacc[nt][3] = acc[0][nt][3] + o4.w;
+          }
+        } else {
+          pair_sync();
+#pragma unroll
+          for (int nt = 0; nt < QKN; ++nt) {
+            const float4 o4 = slot[nt * 32];
+            sacc[nt][0] = o4.x + acc[1][nt][0]; sacc[nt][1] = o4.y + acc[1][nt][1];
+            sacc[nt][2] = o4.z + acc[1][nt][2]; sacc[nt][3] = o4.w + acc[1][nt][3];
+            slot[nt * 32] = make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
+          }
+          pair_sync();
+        }
+      } else {
+        constexpr int NACC = Cfg::kQKAcc;
+        float acc[QKN][NACC][4];
+#pragma unroll
+        for (int nt = 0; nt < QKN; ++nt)
+#pragma unroll
+          for (int a = 0; a < NACC; ++a)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][a][e] = 0.f;
+        const int arow = wr * 16 + (lane & 15);
+        const int acol = (lane >> 4) * 8;
+        constexpr int kHalf = NACC / 2;  // k-chunks of 32 cycled over the accumulator pairs
+        static_assert((kDimQK / 32) % kHalf == 0, "k chunks must divide evenly");
+#pragma unroll (M_TILE == 32 ? 2 : 3)
+        for (int kq = 0; kq < kDimQK / 32; kq += kHalf) {
+#pragma unroll
+          for (int hf = 0; hf < kHalf; ++hf) {
+            const int kp = kq + hf;
+            uint32_t a0[4], a1[4];
+            ldsm_x4(sQ_a + swz(arow, kp * 32 + acol), a0);
+            ldsm_x4(sQ_a + swz(arow, kp * 32 + 16 + acol), a1);
+#pragma unroll
+            for (int nt = 0; nt < QKN; ++nt) {
+              uint32_t bb[4];
+              const int brow = wc * Cfg::kQKCols + nt * 8 + (lane & 7);
+              ldsm_x4(kv_a + swz(brow, kp * 32 + (lane >> 3) * 8), bb);
+              mma16816<Elem>(acc[nt][hf * 2 + 0], a0, bb[0], bb[1]);
+              mma16816<Elem>(acc[nt][hf * 2 + 1], a1, bb[2], bb[3]);
+            }
           }
         }
+#pragma unroll
+        for (int nt = 0; nt < QKN; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float sum = 0.f;
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) sum += acc[nt][a][e];
+            sacc[nt][e] = sum;
+          }
       }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -399,10 +476,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
           const int hh = e >> 1;
           const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
           const bool vis = tok <= qk_lim[hh];
-          float sum = 0.f;
-#pragma unroll
-          for (int a = 0; a < NACC; ++a) sum += acc[nt][a][e];
-          const float v = vis ? sum * p.scale_log2 : -INFINITY;
+          const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
           s[nt][e] = v;
           mx[hh] = fmaxf(mx[hh], v);
         }
@@ -525,9 +599,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
 namespace mla_decode_sm80 {
 
-template <typename Elem, int M_TILE, bool NARROW, int BN = kBlockN>
+template <typename Elem, int M_TILE, bool NARROW, int BN = kBlockN, bool KSPLIT = false>
 void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW, BN>;
+  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW, BN, KSPLIT>;
   const int smem = TileConfig<M_TILE, NARROW, BN>::smem_bytes(p.stages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
@@ -540,7 +614,8 @@ void launch_decode_typed(const DecodeParams& p, int m_tile, cudaStream_t stream)
     case 16: launch_decode_tile<Elem, 16, false>(p, stream); break;
     case 32: launch_decode_tile<Elem, 32, false>(p, stream); break;
     default:
-      if (p.wide) launch_decode_tile<Elem, 64, false, 2 * kBlockN>(p, stream);
+      if (p.wide == 1) launch_decode_tile<Elem, 64, false, 2 * kBlockN, true>(p, stream);
+      else if (p.wide == 2) launch_decode_tile<Elem, 64, false, 2 * kBlockN, false>(p, stream);
       else if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
       else launch_decode_tile<Elem, 64, false>(p, stream);
       break;
