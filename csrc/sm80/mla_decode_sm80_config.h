@@ -14,6 +14,7 @@ constexpr int kMaxStages = 5;              // cp.async stages (chosen at run tim
 constexpr int kPageRing = 2 * kMaxStages;  // tiles of page ids staged in smem ahead of the loads
 constexpr int kRowBytes = kDimQK * 2;      // 1152 B per smem row (Q and KV), 9 x 128 B, XOR-swizzled
 constexpr int kPStride = kBlockN + 8;      // P row stride (elements), padded: conflict-free ldmatrix
+constexpr float kRescaleLog2 = 8.f;        // wide kernel: the softmax reference max moves by more than this or not at all
 
 // Rows (token, head) per CTA: 16, 32 or 64 (M = Sq * H rounded up to 16, capped at 64); BN KV tokens per
 // step of the main loop (kBlockN, or 2 x kBlockN for the wide 64-row tile below).
@@ -42,6 +43,7 @@ struct TileConfig {
   static constexpr int kRing = kWide ? 4 : kPageRing;
   static constexpr int kMaxStagesT = kRing / 2;
   static constexpr int kRedBufs = kWide ? 1 : 2;                    // row max and row sum: own buffers, or one
+  static constexpr int kFixedStages = kWide ? kMaxStagesT : 0;      // > 0: stages known at compile time
   // Register budget: up to 64 rows x 64 fp32 accumulators per warp need one CTA per SM; 16/32-row tiles
   // are compiled for two co-resident CTAs (<= 128 registers) so one CTA's barriers hide behind the other.
   static constexpr int kMinBlocks = M_TILE <= 32 ? 2 : 1;

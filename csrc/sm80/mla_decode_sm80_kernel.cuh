@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;  // steps of BN tokens
   const int L = p.seqlens[b];
-  const int stages = p.stages;
+  const int stages = Cfg::kFixedStages > 0 ? Cfg::kFixedStages : p.stages;  // compile time: tile % stages is a mask
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
 
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   // warp w takes rows w, w + 8, ..., each as two 512-byte ckv halves (one warp instruction each) and, 32 rows per
   // instruction, the 128-byte kpe rows. Every row of warp w has row % 8 == w, so the swizzled smem column of each
   // copy is a per-lane constant, and a row costs one page-id read and one offset (the loop above: one per
-  // 16-byte copy). Rows past the range are zero-filled; their page-ring entry is 0, an in-bounds address.
+  // 16-byte copy), from 32-bit page and row indices (>= 0) times the 64-bit strides. Rows past the range are zero-filled; their page-ring entry is 0, an in-bounds address.
   const Elem* ckv_lane = ckv + lane * 8;
   const Elem* kpe_lane = kpe + (lane & 7) * 8;
   const uint32_t wcol0 = swz(warp, lane * 8) - warp * kRowBytes;
@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     for (int k = 0; k < BN / kWarps; ++k) {
       const int r = warp + kWarps * k;
       const int tok = tok0 + r;
-      const Elem* src = ckv_lane + (int64_t(pid[r]) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row);
+      const Elem* src = ckv_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.ckv_stride_page) +
+                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
       const uint32_t d = dst + r * kRowBytes;
       cp_async16(d + wcol0, src, tok < kv_end);
       cp_async16(d + wcol1, src + 256, tok < kv_end);
@@ -290,7 +291,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     for (int k = 0; k < BN / 32; ++k) {
       const int r = wkpe_row + 32 * k;
       const int tok = tok0 + r;
-      const Elem* src = kpe_lane + (int64_t(pid[r]) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row);
+      const Elem* src = kpe_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.kpe_stride_page) +
+                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
       cp_async16(dst + wkpe_dst + 32 * k * kRowBytes, src, tok < kv_end);
     }
   };
@@ -504,8 +506,16 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         float mx = m_run[mt][hh];
 #pragma unroll
         for (int c = 0; c < WC; ++c) mx = fmaxf(mx, sRedMax[c * M_TILE + row]);
+        bool keep = false;
+        if constexpr (Cfg::kWide) {
+          // The exponent reference moves only when the row max grows by more than kRescaleLog2 (P <= 2^8
+          // otherwise; FlashAttention-4's conditional rescale): most steps then leave O alone. The LSE is taken
+          // from the reference, so the result is the same math.
+          keep = !(mx > m_run[mt][hh] + kRescaleLog2);  // -inf + 8 = -inf: a first finite max always moves it
+          if (keep) mx = m_run[mt][hh];
+        }
         const float mu = (mx == -INFINITY) ? 0.f : mx;
-        alpha[mt][hh] = fast_exp2(m_run[mt][hh] - mu);  // exp2(-inf) = 0
+        alpha[mt][hh] = keep ? 1.f : fast_exp2(m_run[mt][hh] - mu);  // exp2(-inf) = 0
         m_use[mt][hh] = mu;
         m_run[mt][hh] = mx;
         if (mt == wr) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
@@ -534,13 +544,22 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     __syncthreads();  // B3: P visible
 
     // ---- O = O * alpha + P V (each warp: all M_TILE rows x 64 dims) ----
+    bool rescale = true;
+    if constexpr (Cfg::kWide) {  // a warp's lanes hold all M_TILE rows: skip when none of them moved
+      bool moved = false;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
+      rescale = __any_sync(0xffffffffu, moved);
+    }
+    if (rescale) {
 #pragma unroll
-      for (int nt = 0; nt < PVN; ++nt) {
-        o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
-        o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
-      }
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < PVN; ++nt) {
+          o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
+          o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
+        }
+    }
 #pragma unroll (M_TILE == 32 ? 1 : 2)
     for (int ks = 0; ks < BN / 16; ++ks) {
       uint32_t a[MT][4];
