@@ -277,11 +277,17 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     const uint32_t dst = sKV_a + (tile % stages) * (BN * kRowBytes);
     const int* pid = sPage + (tile % kRing) * BN;
     const int tok0 = kv_begin + tile * BN;
+    // all page ids first: one shared-memory latency per step instead of one per row
+    int pg[BN / kWarps], pgk[BN / 32];
+#pragma unroll
+    for (int k = 0; k < BN / kWarps; ++k) pg[k] = pid[warp + kWarps * k];
+#pragma unroll
+    for (int k = 0; k < BN / 32; ++k) pgk[k] = pid[wkpe_row + 32 * k];
 #pragma unroll
     for (int k = 0; k < BN / kWarps; ++k) {
       const int r = warp + kWarps * k;
       const int tok = tok0 + r;
-      const Elem* src = ckv_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.ckv_stride_page) +
+      const Elem* src = ckv_lane + (uint64_t(uint32_t(pg[k])) * uint64_t(p.ckv_stride_page) +
                                     uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
       const uint32_t d = dst + r * kRowBytes;
       cp_async16(d + wcol0, src, tok < kv_end);
@@ -291,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     for (int k = 0; k < BN / 32; ++k) {
       const int r = wkpe_row + 32 * k;
       const int tok = tok0 + r;
-      const Elem* src = kpe_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.kpe_stride_page) +
+      const Elem* src = kpe_lane + (uint64_t(uint32_t(pgk[k])) * uint64_t(p.kpe_stride_page) +
                                     uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
       cp_async16(dst + wkpe_dst + 32 * k * kRowBytes, src, tok < kv_end);
     }
