@@ -83,6 +83,17 @@ __device__ __forceinline__ uint32_t swz(int row, int col) {
   return uint32_t(row * kRowBytes + pc * 16);
 }
 
+// Zero a register array of mma fragments (accumulators start at 0).
+template <int A, int B, int C>
+__device__ __forceinline__ void zero_frags(float (&x)[A][B][C]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int k = 0; k < C; ++k) x[i][j][k] = 0.f;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -327,12 +338,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
   // ---- per-thread state ----
   float o[MT][PVN][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < PVN; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+  zero_frags(o);
   float m_run[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY;
@@ -379,12 +385,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         static_assert(QKN == 4 && Cfg::kQKCols == 32 && WC == 2, "wide tile layout");
         const int rh = warp >> 2, kh = (warp >> 1) & 1;
         float acc[2][QKN][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < QKN; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+        zero_frags(acc);
         const int arow = rh * 32 + (lane & 15);
         const int acol = (lane >> 4) * 8;
         const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
@@ -438,12 +439,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       } else {
         constexpr int NACC = Cfg::kQKAcc;
         float acc[QKN][NACC][4];
-#pragma unroll
-        for (int nt = 0; nt < QKN; ++nt)
-#pragma unroll
-          for (int a = 0; a < NACC; ++a)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][a][e] = 0.f;
+        zero_frags(acc);
         const int arow = wr * 16 + (lane & 15);
         const int acol = (lane >> 4) * 8;
         constexpr int kHalf = NACC / 2;  // k-chunks of 32 cycled over the accumulator pairs

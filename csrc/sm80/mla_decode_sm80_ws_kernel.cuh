@@ -323,12 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     // =============================================================== PV warps: O = O * alpha + P V
     const int pw = warp - Cfg::kQKWarps;
     float o[MT][PVN][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < PVN; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+    zero_frags(o);
     // ldmatrix.trans source of V: rows ks*16 + (lane & 7) + 8 * bit3, columns pw*128 + np*16 + 8 * bit4
     const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
     const int vcol = pw * Cfg::kPVCols + (lane >> 4) * 8;
