@@ -313,34 +313,6 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       cp_async16(dst + wkpe_dst + 32 * k * kRowBytes, src, tok < kv_end);
     }
   };
-  // The split-QK wide kernel issues the next step's rows inside its QK loop instead (one part per outer iteration:
-  // parts 0-3 two ckv rows each, parts 4-5 one kpe row), where the copies' issue and address math fill the
-  // cycles the QK warps otherwise spend waiting on ldmatrix and mma, and commits them after the loop.
-  constexpr bool kInterleave = Cfg::kWide && KSPLIT;
-  auto load_wide_part = [&](int tile, int part) {
-    const uint32_t dst = sKV_a + (tile % stages) * (BN * kRowBytes);
-    const int* pid = sPage + (tile % kRing) * BN;
-    const int tok0 = kv_begin + tile * BN;
-    if (part < 4) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp + kWarps * (2 * part + h);
-        const int tok = tok0 + r;
-        const Elem* src = ckv_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.ckv_stride_page) +
-                                      uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
-        const uint32_t d = dst + r * kRowBytes;
-        cp_async16(d + wcol0, src, tok < kv_end);
-        cp_async16(d + wcol1, src + 256, tok < kv_end);
-      }
-    } else {
-      const int r = wkpe_row + 32 * (part - 4);
-      const int tok = tok0 + r;
-      const Elem* src = kpe_lane + (uint64_t(uint32_t(pid[r])) * uint64_t(p.kpe_stride_page) +
-                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
-      cp_async16(dst + wkpe_dst + 32 * (part - 4) * kRowBytes, src, tok < kv_end);
-    }
-  };
-  static_assert(!kInterleave || (BN / kWarps == 8 && BN / 32 == 2), "six loader parts per step");
   constexpr int kIdleThreads = (kWarps - Cfg::kQKWarps) * 32;
   const bool split_loaders = kIdleThreads >= 64 && p.split_loaders;
   auto load_kv = [&](int tile) {
@@ -390,12 +362,12 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait_dyn(stages - 2);
     __syncthreads();  // B1: tile i landed (all threads' groups); buffers of tile i-1 and P are free
-    const int j_next = i + stages - 1;  // the step whose KV this step issues
     {
-      if (!kInterleave && j_next < n_tiles) load_kv(j_next);
+      const int j = i + stages - 1;
+      if (j < n_tiles) load_kv(j);
       const int t2 = i + 2 * stages - 2;
       if (t2 < n_tiles) load_pages(t2);
-      if constexpr (!kInterleave) cp_async_commit();
+      cp_async_commit();
     }
     const uint32_t kv_a = sKV_a + (i % stages) * (BN * kRowBytes);
     const int tok0 = kv_begin + i * BN;
@@ -419,28 +391,22 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
         const int bcol = ((lane >> 3) & 1) * 8;
         const int k0 = kh * (kDimQK / 2);
-        const bool load_next = j_next < n_tiles;
-#pragma unroll 1
-        for (int it = 0; it < kDimQK / 2 / 16 / 3; ++it) {
-          if (load_next) load_wide_part(j_next, it);
+#pragma unroll 3
+        for (int ks = 0; ks < kDimQK / 2 / 16; ++ks) {
+          const int k = k0 + ks * 16;
+          uint32_t a[2][4], bq[2][4];
+          ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
+          ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
+          ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
+          ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
 #pragma unroll
-          for (int u = 0; u < 3; ++u) {
-            const int k = k0 + (it * 3 + u) * 16;
-            uint32_t a[2][4], bq[2][4];
-            ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
-            ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
-            ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
-            ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
+          for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-              for (int np = 0; np < 2; ++np) {
-                mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
-                mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
-              }
-          }
+            for (int np = 0; np < 2; ++np) {
+              mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
+              mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
+            }
         }
-        cp_async_commit();  // the next step's KV (and the page ids issued at the step's start)
         // Trade halves with the partner through the P buffer (P of the previous step was read before B1; this
         // step's P is written after B2): kh = 0 sends rows 16-31, then kh = 1 adds them and sends rows 0-15 from
         // the same slot (its own read precedes its write), 2 KB per pair and direction, float4 by lane.
@@ -507,31 +473,16 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
           }
       }
       float mx[2] = {-INFINITY, -INFINITY};
-      // wide tile: a warp whose tokens all lie inside every one of its rows' ranges (every step but the last
-      // and, causal, those before the diagonal) skips the mask
-      bool inside = false;
-      if constexpr (Cfg::kWide)
-        inside = __all_sync(0xffffffffu, tok0 + (wc + 1) * Cfg::kQKCols - 1 <= min(qk_lim[0], qk_lim[1]));
-      if (inside) {
 #pragma unroll
-        for (int nt = 0; nt < QKN; ++nt)
+      for (int nt = 0; nt < QKN; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[nt][e] = sacc[nt][e] * p.scale_log2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-          }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < QKN; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int hh = e >> 1;
-            const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
-            const bool vis = tok <= qk_lim[hh];
-            const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
-            s[nt][e] = v;
-            mx[hh] = fmaxf(mx[hh], v);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
+          const bool vis = tok <= qk_lim[hh];
+          const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
+          s[nt][e] = v;
+          mx[hh] = fmaxf(mx[hh], v);
         }
       }
 #pragma unroll
