@@ -473,16 +473,31 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
           }
       }
       float mx[2] = {-INFINITY, -INFINITY};
+      // wide tile: a warp whose tokens all lie inside every one of its rows' ranges (every step but the last
+      // and, causal, those before the diagonal) skips the mask
+      bool inside = false;
+      if constexpr (Cfg::kWide)
+        inside = __all_sync(0xffffffffu, tok0 + (wc + 1) * Cfg::kQKCols - 1 <= min(qk_lim[0], qk_lim[1]));
+      if (inside) {
 #pragma unroll
-      for (int nt = 0; nt < QKN; ++nt) {
+        for (int nt = 0; nt < QKN; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hh = e >> 1;
-          const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
-          const bool vis = tok <= qk_lim[hh];
-          const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
-          s[nt][e] = v;
-          mx[hh] = fmaxf(mx[hh], v);
+          for (int e = 0; e < 4; ++e) {
+            s[nt][e] = sacc[nt][e] * p.scale_log2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+          }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < QKN; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hh = e >> 1;
+            const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
+            const bool vis = tok <= qk_lim[hh];
+            const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
+            s[nt][e] = v;
+            mx[hh] = fmaxf(mx[hh], v);
+          }
         }
       }
 #pragma unroll
