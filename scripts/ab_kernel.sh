@@ -7,6 +7,8 @@
 #   Here:   mkdir -p .ab && git show main:csrc/sm90/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd_sm90_kernel.cuh
 #           (.ab/ must be listed in .git/info/exclude; name it in the run's carry with .whl)
 #   Device: FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash scripts/ab_kernel.sh
+#   Decode: FAMILY=mla_decode_sm80 TESTS=tests/gpu/test_mla_decode_sm80.py PROFILE="--decode 128 4096 128" bash scripts/ab_kernel.sh
+#           (or, for a set_tuning switch, bench/bench_decode.py --ab TUNE in one process)
 #   One build, two settings (a run-time knob such as MLA_BWD_SM90_KV_PREFETCH): no .ab/ needed,
 #           SAME_BUILD=1 ENV_A="MLA_BWD_SM90_KV_PREFETCH=0" bash scripts/ab_kernel.sh
 # Knobs: FAMILY, EXTRA_FAMILIES (built for B only, e.g. for the API tests), TESTS (B's test files),
