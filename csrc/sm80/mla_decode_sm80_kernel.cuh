@@ -6,6 +6,9 @@
 //   - kQKWarps warps compute S = Q K^T (16 x kQKCols each, 576 deep), exchange row maxima through smem,
 //     do the online softmax of their rows and write P (16-bit) to smem;
 //   - all 8 warps do O += P V, each on 64 of the 512 output dims (fp32 accumulators M_TILE x 64 per warp).
+// The wide variant (BN = 64 KV tokens per step, 64-row tiles, TileConfig in the config header) has all eight
+// warps compute S, with KSPLIT as 32 x 32 tiles over half of the 576 dims each (halves traded through the P
+// buffer), a per-row loader and a conditional O rescale; the rest of the step is the same code.
 #pragma once
 
 #include <cuda_runtime.h>
