@@ -20,9 +20,10 @@ constexpr float kRescaleLog2 = 8.f;        // wide kernel: the softmax reference
 // step of the main loop (kBlockN, or 2 x kBlockN for the wide 64-row tile below).
 // NARROW (64-row tiles): four warps compute S (16 x 32 each, no cross-warp row-max exchange needed for
 // the columns) while the other four issue the next tiles' cp.async; otherwise all warps compute S.
-// Wide (64-row tiles, BN = 64): all eight warps compute S, each 16 rows x 32 tokens (the NARROW warp tile,
-// so K is read from smem as often per token), over two 32-token tiles at once; half the barriers per token
-// and twice the warps in the QK phase, which the NARROW layout spends with four warps idle. Two stages of 64
+// Wide (64-row tiles, BN = 64): all eight warps compute S over two 32-token tiles at once (kWC = 2 column
+// groups of 32 tokens; the kernel's KSPLIT computes them as 32 x 32 tiles over half the contraction each, else
+// as the NARROW 16 x 32 warp tile); half the barriers per token and twice the warps in the QK phase, which the
+// NARROW layout spends with four warps idle. Two stages of 64
 // tokens (one step in flight) fit the H200's 227 KB beside Q; the page-id ring is 4 steps and the row-sum
 // exchange reuses the row-max buffer.
 template <int M_TILE, bool NARROW = false, int BN = kBlockN>

@@ -280,7 +280,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   // warp w takes rows w, w + 8, ..., each as two 512-byte ckv halves (one warp instruction each) and, 32 rows per
   // instruction, the 128-byte kpe rows. Every row of warp w has row % 8 == w, so the swizzled smem column of each
   // copy is a per-lane constant, and a row costs one page-id read and one offset (the loop above: one per
-  // 16-byte copy), from 32-bit page and row indices (>= 0) times the 64-bit strides. Rows past the range are zero-filled; their page-ring entry is 0, an in-bounds address.
+  // 16-byte copy), from 32-bit page and row indices (>= 0) times the 64-bit strides. Rows past the range are
+  // zero-filled; their page-ring entry is 0, an in-bounds address.
   const Elem* ckv_lane = ckv + lane * 8;
   const Elem* kpe_lane = kpe + (lane & 7) * 8;
   const uint32_t wcol0 = swz(warp, lane * 8) - warp * kRowBytes;
