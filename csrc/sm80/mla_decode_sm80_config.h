@@ -59,6 +59,26 @@ struct TileConfig {
   }
 };
 
+// Wide 64-row tile with two decoupled row groups (mla_decode_groups_kernel, set_tuning wide=3): group r (warps
+// 4r..4r+3) owns rows [32 r, 32 r + 32) through QK, softmax and PV; the wide kernel's smem plus four mbarriers.
+struct GroupsConfig {
+  using Base = TileConfig<64, false, 2 * kBlockN>;  // smem layout of the wide kernel (Q, stages, P, row max, ring)
+  static constexpr int kBN = 2 * kBlockN;            // 64 KV tokens per step
+  static constexpr int kStages = 2;
+  static constexpr int kRing = Base::kRing;          // page ids of 4 tiles
+  static constexpr int kGroupWarps = kWarps / 2;     // 4
+  static constexpr int kGroupThreads = kGroupWarps * 32;
+  static constexpr int kGroupRows = 32;
+  static constexpr int kMT = kGroupRows / 16;        // 16-row mma tiles per group in PV
+  static constexpr int kPVCols = kDimCkv / kGroupWarps;  // 128 output dims per warp
+  static constexpr int kPVN = kPVCols / 8;
+  static constexpr int kPStride = Base::kPStride;
+  static constexpr int kLoadRows = kBN / kGroupWarps;    // 16 ckv rows per loader warp and step
+  static constexpr int smem_bytes() { return Base::smem_bytes(kStages) + 4 * 8; }  // + full[2], empty[2]
+  static_assert(Base::smem_bytes(kStages) % 8 == 0, "mbarriers need 8-byte alignment");
+  static_assert(kGroupRows * kPStride * 2 >= 2 * 4 * 32 * 16, "a group's P rows hold its two QK exchange slots");
+};
+
 // Warp-specialized variant for 16/32-row tiles (H * Sq <= 32: the memory-bound decode), one CTA per SM.
 // Warps 0-3 issue the KV loads and compute S = Q K^T, each over a 144-dim slice of the 576-dim contraction
 // with its Q fragments held in registers (K read from smem once per tile, Q never), then the online

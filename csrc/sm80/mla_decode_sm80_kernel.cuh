@@ -77,6 +77,29 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
   }
 }
 
+// mbarrier primitives (sm_80+; the wait suspends in try_wait on sm_90, spins on test_wait on sm_80).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
+               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+#else
+  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
+               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+#endif
+}
+// One arrival on `bar` once every cp.async this thread issued so far has landed (.noinc: the arrival counts
+// toward the barrier's expected count, which must include it).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
 // Byte offset of (row, col) in a [rows][576] 16-bit buffer whose 16-byte chunks are XOR-swizzled within
 // each 128-byte group by row % 8 (col a multiple of 8): 8 consecutive rows at one logical chunk hit 8
 // different bank groups, so ldmatrix (normal and transposed) and the cp.async stores are conflict-free.
@@ -179,6 +202,103 @@ __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem&
     p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
   } else {
     p.ws_lse[int64_t(item) * p.Sq * p.H + grow] = lse2;
+  }
+}
+
+// S in the log2 domain (times scale_log2) for a warp's 16 rows x 8 QKN tokens from token tok_c0, -inf past each
+// row's last visible position lim[hh], and the row maxima over these tokens (quad-reduced, so every lane of a
+// row's quad holds it). kSkipInside: when all of the warp's tokens lie inside both rows' ranges (every step but the
+// last and, causal, those before the diagonal), the mask arithmetic is skipped.
+template <int QKN, bool kSkipInside>
+__device__ __forceinline__ void scale_mask_rowmax(const float (&sacc)[QKN][4], float (&s)[QKN][4], float (&mx)[2],
+                                                  int tok_c0, const int (&lim)[2], int q4, float scale_log2) {
+  mx[0] = mx[1] = -INFINITY;
+  bool inside = false;
+  if constexpr (kSkipInside) inside = __all_sync(0xffffffffu, tok_c0 + QKN * 8 - 1 <= min(lim[0], lim[1]));
+  if (inside) {
+#pragma unroll
+    for (int nt = 0; nt < QKN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = sacc[nt][e] * scale_log2;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < QKN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1;
+        const int tok = tok_c0 + nt * 8 + 2 * q4 + (e & 1);
+        const float v = tok <= lim[hh] ? sacc[nt][e] * scale_log2 : -INFINITY;
+        s[nt][e] = v;
+        mx[hh] = fmaxf(mx[hh], v);
+      }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+  }
+}
+
+// S of a wide step by split contraction: warp (rh, kh, wc) computes rows [32 rh, 32 rh + 32) x tokens
+// [32 wc, 32 wc + 32) over dims [288 kh, 288 kh + 288): a 32 x 32 warp tile reads Q and K fragments half as often
+// per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is what bounds the QK phase (ncu: mma waiting on
+// ldmatrix). The partner warp (other kh) then trades halves through `slot` (2 KB, 16-byte aligned, free from
+// before the first write until after the last read here) under named barrier `bar_id` (64 threads): kh = 0 sends
+// rows 16-31, then kh = 1 adds them and sends rows 0-15 from the same slot (its own read precedes its write).
+// Each keeps 16 rows: sacc = S[32 rh + 16 kh + (16-row fragment)][32 wc + (32 tokens)], unscaled.
+template <typename Elem>
+__device__ __forceinline__ void qk_split_32x32(uint32_t sQ_a, uint32_t kv_a, float4* slot, uint32_t bar_id, int rh,
+                                               int kh, int wc, int lane, float (&sacc)[4][4]) {
+  constexpr int QKN = 4;
+  float acc[2][QKN][4];
+  zero_frags(acc);
+  const int arow = rh * 32 + (lane & 15);
+  const int acol = (lane >> 4) * 8;
+  const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
+  const int bcol = ((lane >> 3) & 1) * 8;
+  const int k0 = kh * (kDimQK / 2);
+#pragma unroll 3
+  for (int ks = 0; ks < kDimQK / 2 / 16; ++ks) {
+    const int k = k0 + ks * 16;
+    uint32_t a[2][4], bq[2][4];
+    ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
+    ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
+    ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
+    ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
+        mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
+      }
+  }
+  slot += lane;
+  auto pair_sync = [&]() { asm volatile("bar.sync %0, 64;\n" :: "r"(bar_id) : "memory"); };
+  if (kh == 0) {
+#pragma unroll
+    for (int nt = 0; nt < QKN; ++nt) slot[nt * 32] = make_float4(acc[1][nt][0], acc[1][nt][1], acc[1][nt][2], acc[1][nt][3]);
+    pair_sync();
+    pair_sync();
+#pragma unroll
+    for (int nt = 0; nt < QKN; ++nt) {
+      const float4 o4 = slot[nt * 32];
+      sacc[nt][0] = acc[0][nt][0] + o4.x; sacc[nt][1] = acc[0][nt][1] + o4.y;
+      sacc[nt][2] = acc[0][nt][2] + o4.z; sacc[nt][3] = acc[0][nt][3] + o4.w;
+    }
+  } else {
+    pair_sync();
+#pragma unroll
+    for (int nt = 0; nt < QKN; ++nt) {
+      const float4 o4 = slot[nt * 32];
+      sacc[nt][0] = o4.x + acc[1][nt][0]; sacc[nt][1] = o4.y + acc[1][nt][1];
+      sacc[nt][2] = o4.z + acc[1][nt][2]; sacc[nt][3] = o4.w + acc[1][nt][3];
+      slot[nt * 32] = make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
+    }
+    pair_sync();
   }
 }
 
@@ -381,65 +501,11 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     if (qk_warp) {
       float sacc[QKN][4];  // this warp's 16 rows x kQKCols tokens of S (unscaled)
       if constexpr (Cfg::kWide && KSPLIT) {
-        // Wide tile, split contraction: warp (rh, kh, wc) = (warp >> 2, (warp >> 1) & 1, warp & 1) computes rows
-        // [32 rh, 32 rh + 32) x tokens [32 wc, 32 wc + 32) over dims [288 kh, 288 kh + 288): a 32 x 32 warp tile
-        // reads Q and K fragments half as often per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is
-        // what bounds the QK phase (ncu: mma waiting on ldmatrix). The partner warp (warp ^ 2, other kh) then
-        // trades halves through the free P buffer, and each keeps 16 rows: wr = 2 rh + kh, as the other layouts.
+        // warp (rh, kh, wc) = (warp >> 2, (warp >> 1) & 1, warp & 1); the pair's slot: 2 KB of the free P buffer
         static_assert(QKN == 4 && Cfg::kQKCols == 32 && WC == 2, "wide tile layout");
-        const int rh = warp >> 2, kh = (warp >> 1) & 1;
-        float acc[2][QKN][4];
-        zero_frags(acc);
-        const int arow = rh * 32 + (lane & 15);
-        const int acol = (lane >> 4) * 8;
-        const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
-        const int bcol = ((lane >> 3) & 1) * 8;
-        const int k0 = kh * (kDimQK / 2);
-#pragma unroll 3
-        for (int ks = 0; ks < kDimQK / 2 / 16; ++ks) {
-          const int k = k0 + ks * 16;
-          uint32_t a[2][4], bq[2][4];
-          ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
-          ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
-          ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
-          ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
-              mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
-              mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
-            }
-        }
-        // Trade halves with the partner through the P buffer (P of the previous step was read before B1; this
-        // step's P is written after B2): kh = 0 sends rows 16-31, then kh = 1 adds them and sends rows 0-15 from
-        // the same slot (its own read precedes its write), 2 KB per pair and direction, float4 by lane.
-        const int pair = rh * 2 + wc;
-        float4* slot = reinterpret_cast<float4*>(sP + pair * (QKN * 32 * 16)) + lane;
-        const uint32_t bar_id = 1 + pair;  // named barriers 1..4 (0 is __syncthreads)
-        auto pair_sync = [&]() { asm volatile("bar.sync %0, 64;\n" :: "r"(bar_id) : "memory"); };
-        if (kh == 0) {
-#pragma unroll
-          for (int nt = 0; nt < QKN; ++nt) slot[nt * 32] = make_float4(acc[1][nt][0], acc[1][nt][1], acc[1][nt][2], acc[1][nt][3]);
-          pair_sync();
-          pair_sync();
-#pragma unroll
-          for (int nt = 0; nt < QKN; ++nt) {
-            const float4 o4 = slot[nt * 32];
-            sacc[nt][0] = acc[0][nt][0] + o4.x; sacc[nt][1] = acc[0][nt][1] + o4.y;
-            sacc[nt][2] = acc[0][nt][2] + o4.z; sacc[nt][3] = acc[0][nt][3] + o4.w;
-          }
-        } else {
-          pair_sync();
-#pragma unroll
-          for (int nt = 0; nt < QKN; ++nt) {
-            const float4 o4 = slot[nt * 32];
-            sacc[nt][0] = o4.x + acc[1][nt][0]; sacc[nt][1] = o4.y + acc[1][nt][1];
-            sacc[nt][2] = o4.z + acc[1][nt][2]; sacc[nt][3] = o4.w + acc[1][nt][3];
-            slot[nt * 32] = make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
-          }
-          pair_sync();
-        }
+        const int pair = (warp >> 2) * 2 + wc;
+        qk_split_32x32<Elem>(sQ_a, kv_a, reinterpret_cast<float4*>(sP + pair * (QKN * 32 * 16)), 1 + pair, warp >> 2,
+                             (warp >> 1) & 1, wc, lane, sacc);
       } else {
         constexpr int NACC = Cfg::kQKAcc;
         float acc[QKN][NACC][4];
@@ -476,39 +542,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
             sacc[nt][e] = sum;
           }
       }
-      float mx[2] = {-INFINITY, -INFINITY};
-      // wide tile: a warp whose tokens all lie inside every one of its rows' ranges (every step but the last
-      // and, causal, those before the diagonal) skips the mask
-      bool inside = false;
-      if constexpr (Cfg::kWide)
-        inside = __all_sync(0xffffffffu, tok0 + (wc + 1) * Cfg::kQKCols - 1 <= min(qk_lim[0], qk_lim[1]));
-      if (inside) {
-#pragma unroll
-        for (int nt = 0; nt < QKN; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[nt][e] = sacc[nt][e] * p.scale_log2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-          }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < QKN; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int hh = e >> 1;
-            const int tok = tok0 + wc * Cfg::kQKCols + nt * 8 + 2 * q4 + (e & 1);
-            const bool vis = tok <= qk_lim[hh];
-            const float v = vis ? sacc[nt][e] * p.scale_log2 : -INFINITY;
-            s[nt][e] = v;
-            mx[hh] = fmaxf(mx[hh], v);
-          }
-        }
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-      }
+      float mx[2];
+      scale_mask_rowmax<QKN, Cfg::kWide>(sacc, s, mx, tok0 + wc * Cfg::kQKCols, qk_lim, q4, p.scale_log2);
       if (q4 == 0) {
         sRedMax[wc * M_TILE + wr * 16 + g] = mx[0];
         sRedMax[wc * M_TILE + wr * 16 + g + 8] = mx[1];

@@ -53,8 +53,8 @@ struct DecodeParams {
   // kernel's QK warps sync on an mbarrier (1; its kQkMbar instantiation) or on named barrier 1 (0).
   int qk_mbar;
   // Host-side launch choice: 64-row tiles run the wide all-warps kernel (TileConfig<64, false, 64>: 64 KV tokens
-  // per step, all eight warps compute S) with its QK warps splitting the contraction (1) or not (2), or the
-  // 32-token kernel of qk_narrow (0).
+  // per step, all eight warps compute S) with its QK warps splitting the contraction (1) or not (2), the
+  // row-group kernel (3: GroupsConfig, mla_decode_groups_kernel), or the 32-token kernel of qk_narrow (0).
   int wide;
 };
 

@@ -25,6 +25,7 @@
 // D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
 #pragma once
 
+#include "sm80/mla_decode_sm80_groups_kernel.cuh"
 #include "sm80/mla_decode_sm80_kernel.cuh"
 
 namespace mla_decode_sm80 {
@@ -41,14 +42,8 @@ __device__ __forceinline__ void named_bar_sync() {
 // phase to complete. Same ordering as named barrier 1, but compute-sanitizer racecheck then also follows
 // the QK -> PV hand-offs on kBarPFull / kBarFinal (scripts/racecheck_probe.cu, modes 5 and 6).
 __device__ __forceinline__ void mbar_sync(uint32_t bar, uint32_t& phase) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared.b64 done, [%0], %1;\n"
-               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
-#else
-  asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
-               " @!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
-#endif
+  mbar_arrive(bar);
+  mbar_wait(bar, phase);
   phase ^= 1u;
 }
 
@@ -98,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   const int q4 = lane & 3;
   const uint32_t qk_bar = static_cast<uint32_t>(__cvta_generic_to_shared(sQkBar));
   if constexpr (kQkMbar) {
-    if (tid == 0) asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" :: "r"(qk_bar), "n"(Cfg::kQKThreads) : "memory");
+    if (tid == 0) mbar_init(qk_bar, Cfg::kQKThreads);
     __syncthreads();  // the init visible before any arrive
   }
 
@@ -388,13 +383,17 @@ void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
 
 namespace mla_decode_sm80 {
 
-// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the
-// all-warps kernel.
+// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), the row-group kernel
+// for wide = 3, else the all-warps kernel.
 template <typename Elem>
 void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
   if (p.ws) {
     if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
     else launch_decode_ws_tile<Elem, 32>(p, stream);
+    return;
+  }
+  if (m_tile == 64 && p.wide == 3) {
+    launch_decode_groups<Elem>(p, stream);
     return;
   }
   launch_decode_typed<Elem>(p, m_tile, stream);

@@ -74,9 +74,15 @@ def main() -> int:
     # decode. --qk-mbar: the warp-specialized kernel's QK warps sync on an mbarrier (set_tuning qk_mbar=1, same
     # results bit for bit); with their default named barrier racecheck loses track of the QK -> PV hand-offs
     # and reports 2-3 false hazards (scripts/racecheck_probe.cu, modes 5 and 6).
+    # --wide-groups: 64-row tiles run the row-group kernel (set_tuning wide=3).
+    tune = {}
     if "--qk-mbar" in sys.argv:
+        tune["qk_mbar"] = 1
+    if "--wide-groups" in sys.argv:
+        tune["wide"] = 3
+    if tune:
         from mla_autograd._build import load_family
-        load_family("mla_decode_sm80").set_tuning(qk_mbar=1)
+        load_family("mla_decode_sm80").set_tuning(**tune)
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator

@@ -1,0 +1,328 @@
+// Wide 64-row MLA decode with two decoupled row groups (set_tuning wide=3), SM80 style (mma.sync m16n8k16,
+// cp.async, ldmatrix, XOR-swizzled smem); built for sm_80 and sm_90, launched where its smem fits (sm_90).
+//
+// Why: the wide kernel (mla_decode_kernel, TileConfig<64, false, 64>) runs its eight warps in lockstep through
+// QK (ldmatrix + mma), softmax (no tensor work) and PV (mma) with three CTA-wide barriers per 64-token step,
+// so the tensor pipe idles through every softmax, exchange and barrier (ncu at H=128: 42% busy, issue slots 33%,
+// two warps per scheduler that stall on the same phase). Its split-contraction QK already keeps rows 0-31 in
+// warps 0-3 and rows 32-63 in warps 4-7; here PV follows the same split, so the two 4-warp groups share nothing
+// but the KV stages:
+//   - group r (warps 4r..4r+3) owns rows [32 r, 32 r + 32): S by split contraction (qk_split_32x32), its row
+//     maxima, P, and O = P V for those rows, each warp 128 of the 512 output dims (fp32 O: 32 x 128 per warp,
+//     the same 128 registers as 64 x 64);
+//   - the groups meet only at the KV stages, through mbarriers: full[s] (tile landed: group 1's 128 threads
+//     arrive by cp.async.mbarrier.arrive once their copies have landed) and empty[s] (group 0's four warps
+//     arrive after their PV of the tile). Group 1 issues every load, after its own PV of the stage's previous
+//     tile, so group 0 runs ahead and the groups drift apart: one group's QK (shared memory + tensor) overlaps the
+//     other's softmax and PV instead of all eight warps queueing on the same unit;
+//   - within a group, named barriers (128 threads) replace __syncthreads.
+// Pipeline: two stages of 64 tokens (the H200's 227 KB: Q 72 KB + 2 x 72 KB + P + page ids + 4 mbarriers).
+// Tile i lives in stage i % 2; group 1 issues tile i + 1 at the top of its step i, once group 0 has finished
+// tile i - 1 (empty) and tile i has landed (full: it also carries tile i + 1's page ids, staged two tiles ahead).
+// Phases: full[s] and empty[s] complete once per tile of stage s, so tile i waits on parity (i / 2) & 1; neither
+// group can be two phases ahead on one barrier (each wait precedes the other group's next arrival there).
+#pragma once
+
+#include "sm80/mla_decode_sm80_kernel.cuh"
+
+namespace mla_decode_sm80 {
+
+// Named barrier `id` over the 128 threads of one row group (bar.sync: every thread of the group runs this same
+// instruction).
+__device__ __forceinline__ void group_bar_sync(uint32_t id) {
+  asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
+}
+
+template <typename Elem>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const DecodeParams p) {
+  using Cfg = GroupsConfig;
+  constexpr int BN = Cfg::kBN, MT = Cfg::kMT, PVN = Cfg::kPVN, kRing = Cfg::kRing;
+  constexpr int QKN = 4;                         // 32 tokens per QK warp
+  constexpr int kStageBytes = BN * kRowBytes;
+
+  const int item = blockIdx.y;
+  const int mblock = blockIdx.x;
+  const WorkItem w = work_item(p, item);
+  if (w.b < 0) return;  // grid is sized from shapes; unused items exit
+  const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
+  const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+  const int L = p.seqlens[b];
+  const int rows_total = p.Sq * p.H;
+  const int row0 = mblock * 64;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sKV = sQ + 64 * kRowBytes;
+  uint8_t* sP = sKV + Cfg::kStages * kStageBytes;
+  float* sRed = reinterpret_cast<float*>(sP + 64 * Cfg::kPStride * 2);  // [2 column halves][64 rows]: max, then sum
+  int* sPage = reinterpret_cast<int*>(sRed + 2 * 64);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(sPage + kRing * BN);  // full[0..1], empty[0..1]
+  const uint32_t sQ_a = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
+  const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
+  const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
+  const uint32_t sPage_a = static_cast<uint32_t>(__cvta_generic_to_shared(sPage));
+  const uint32_t full_a = static_cast<uint32_t>(__cvta_generic_to_shared(sBar));
+  const uint32_t empty_a = full_a + 16;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+  const int grp = warp >> 2;    // row group: tile rows [32 grp, 32 grp + 32)
+  const int gw = warp & 3;      // warp in the group: PV output dims [128 gw, 128 gw + 128); QK (kh, wc) below
+  const int gtid = tid & (Cfg::kGroupThreads - 1);
+  const uint32_t group_bar = 5 + grp;  // named barriers 1-4: the QK pairs; 5, 6: the groups
+
+  const int page_mask = p.page_size - 1;
+  const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
+  const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
+
+  if (tid == 0) {
+    mbar_init(full_a, Cfg::kGroupThreads);
+    mbar_init(full_a + 8, Cfg::kGroupThreads);
+    mbar_init(empty_a, Cfg::kGroupWarps);
+    mbar_init(empty_a + 8, Cfg::kGroupWarps);
+  }
+  stage_page_ids<BN, kRing>(p, w, sPage, 2, tid, kThreads);  // tiles 0 and 1; later ones by cp.async
+  {
+    const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
+    const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
+    for (int idx = tid; idx < 64 * 72; idx += kThreads) {
+      const int r = idx / 72, c = idx % 72;
+      const int grow = row0 + r;
+      const bool ok = grow < rows_total;
+      const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
+      const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
+                               : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
+      cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
+    }
+    cp_async_commit();
+  }
+  __syncthreads();  // page ids of tiles 0-1 and the mbarrier inits visible
+
+  // ---- KV loader (group 1): warp gw takes rows gw + 4k (k < 16), each as two 512-byte ckv halves (one warp
+  // instruction each); rows of one parity of k share row % 8, so the swizzled column is one of two per-lane
+  // constants. The kpe rows: 8 lanes per row, rows gtid / 8 + 16k (one row % 8 per lane). One page-id read and
+  // one offset (32-bit indices times the 64-bit strides) per row; rows past the range are zero-filled from page 0.
+  const Elem* ckv_lane = ckv + lane * 8;
+  const Elem* kpe_lane = kpe + (lane & 7) * 8;
+  uint32_t lcol0[2], lcol1[2];
+#pragma unroll
+  for (int par = 0; par < 2; ++par) {
+    const int r = gw + 4 * par;
+    lcol0[par] = swz(r, lane * 8) - r * kRowBytes;
+    lcol1[par] = swz(r, 256 + lane * 8) - r * kRowBytes;
+  }
+  const int lkpe_row = gtid >> 3;
+  const uint32_t lkpe_dst = swz(lkpe_row, kDimCkv + (lane & 7) * 8);
+  auto load_tile = [&](int tile) {
+    const uint32_t dst = sKV_a + (tile & 1) * kStageBytes;
+    const int* pid = sPage + (tile % kRing) * BN;
+    const int tok0 = kv_begin + tile * BN;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // 8 page ids at a time: one smem latency per 8 rows
+      int pg[Cfg::kLoadRows / 2];
+#pragma unroll
+      for (int k = 0; k < Cfg::kLoadRows / 2; ++k) pg[k] = pid[gw + 4 * (half * (Cfg::kLoadRows / 2) + k)];
+#pragma unroll
+      for (int k = 0; k < Cfg::kLoadRows / 2; ++k) {
+        const int r = gw + 4 * (half * (Cfg::kLoadRows / 2) + k);
+        const int tok = tok0 + r;
+        const Elem* src = ckv_lane + (uint64_t(uint32_t(pg[k])) * uint64_t(p.ckv_stride_page) +
+                                      uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
+        const uint32_t d = dst + r * kRowBytes;
+        cp_async16(d + lcol0[k & 1], src, tok < kv_end);
+        cp_async16(d + lcol1[k & 1], src + 256, tok < kv_end);
+      }
+    }
+    int pgk[BN / 16];
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k) pgk[k] = pid[lkpe_row + 16 * k];
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k) {
+      const int r = lkpe_row + 16 * k;
+      const int tok = tok0 + r;
+      const Elem* src = kpe_lane + (uint64_t(uint32_t(pgk[k])) * uint64_t(p.kpe_stride_page) +
+                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
+      cp_async16(dst + lkpe_dst + 16 * k * kRowBytes, src, tok < kv_end);
+    }
+  };
+
+  if (grp == 1 && n_tiles > 0) {
+    load_tile(0);
+    cp_async_mbar_arrive(full_a);
+  }
+  cp_async_commit();
+  cp_async_wait_dyn(1);  // the Q group (every thread committed two groups)
+  __syncthreads();       // Q visible
+
+  // ---- per-thread state ----
+  float o[MT][PVN][4];
+  zero_frags(o);
+  float m_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY;
+  float l_part[2] = {0.f, 0.f};
+
+  const int kh = (warp >> 1) & 1;  // QK: contraction half, then rows [16 wr, 16 wr + 16) of the tile
+  const int wc = warp & 1;         // QK: tokens [32 wc, 32 wc + 32) of the step
+  const int wr = 2 * grp + kh;
+  const int causal_base = L - p.Sq;
+  int qk_lim[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int grow = row0 + wr * 16 + g + hh * 8;
+    int lim = kv_end - 1;
+    if (p.causal) lim = min(lim, causal_base + grow / p.H);
+    qk_lim[hh] = grow < rows_total ? lim : -1;
+  }
+  // the QK pair's exchange slot: 2 KB inside this group's own P rows (free between the group's PV and its P store)
+  float4* const xslot = reinterpret_cast<float4*>(sP + grp * (Cfg::kGroupRows * Cfg::kPStride * 2) + wc * (QKN * 32 * 16));
+
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i & 1;
+    group_bar_sync(group_bar);                          // the group's PV(i - 1) done: its P rows and (group 1) stage free
+    mbar_wait(full_a + 8 * stage, uint32_t(i >> 1) & 1);  // tile i landed (and tile i + 1's page ids)
+    if (grp == 1 && i + 1 < n_tiles) {
+      if (i >= 1) mbar_wait(empty_a + 8 * (stage ^ 1), uint32_t((i - 1) >> 1) & 1);  // group 0 done with tile i - 1
+      load_tile(i + 1);
+      if (i + 2 < n_tiles) load_page_ids_async<BN, kRing>(p, w, sPage_a, i + 2, gtid);
+      cp_async_mbar_arrive(full_a + 8 * (stage ^ 1));
+    }
+    const uint32_t kv_a = sKV_a + stage * kStageBytes;
+    const int tok0 = kv_begin + i * BN;
+
+    // ---- S = Q K^T for this warp's 16 rows x 32 tokens, row maxima ----
+    float s[QKN][4];
+    {
+      float sacc[QKN][4];
+      qk_split_32x32<Elem>(sQ_a, kv_a, xslot, 1 + grp * 2 + wc, grp, kh, wc, lane, sacc);
+      float mx[2];
+      scale_mask_rowmax<QKN, true>(sacc, s, mx, tok0 + wc * 32, qk_lim, q4, p.scale_log2);
+      if (q4 == 0) {
+        sRed[wc * 64 + wr * 16 + g] = mx[0];
+        sRed[wc * 64 + wr * 16 + g + 8] = mx[1];
+      }
+    }
+    group_bar_sync(group_bar);  // the group's row maxima visible
+
+    // ---- reference max of the group's rows (identical on the group's threads); conditional rescale ----
+    float alpha[MT][2];
+    float qk_alpha[2] = {1.f, 1.f}, qk_muse[2] = {0.f, 0.f};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = grp * 32 + mt * 16 + g + hh * 8;
+        float mx = fmaxf(m_run[mt][hh], fmaxf(sRed[row], sRed[64 + row]));
+        // the reference moves only when a row max grows by more than kRescaleLog2 (see mla_decode_kernel)
+        const bool keep = !(mx > m_run[mt][hh] + kRescaleLog2);
+        if (keep) mx = m_run[mt][hh];
+        const float mu = (mx == -INFINITY) ? 0.f : mx;
+        alpha[mt][hh] = keep ? 1.f : fast_exp2(m_run[mt][hh] - mu);
+        m_run[mt][hh] = mx;
+        if (mt == kh) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
+      }
+    }
+
+    // ---- P = exp2(S - m) to smem, row sums ----
+    {
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < QKN; ++nt) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pv[e] = fast_exp2(s[nt][e] - qk_muse[e >> 1]);
+          rs[e >> 1] += pv[e];
+        }
+        const int col = wc * 32 + nt * 8 + 2 * q4;
+        const int r0 = wr * 16 + g;
+        *reinterpret_cast<uint32_t*>(sP + (r0 * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
+      }
+      l_part[0] = l_part[0] * qk_alpha[0] + rs[0];
+      l_part[1] = l_part[1] * qk_alpha[1] + rs[1];
+    }
+    group_bar_sync(group_bar);  // the group's P visible
+
+    // ---- O = O * alpha + P V: the group's 32 rows x this warp's 128 dims ----
+    {
+      bool moved = false;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < PVN; ++nt) {
+            o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
+            o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
+          }
+      }
+    }
+#pragma unroll 2
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(sP_a + ((grp * 32 + mt * 16 + (lane & 15)) * Cfg::kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+#pragma unroll
+      for (int np = 0; np < PVN / 2; ++np) {
+        uint32_t bb[4];
+        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int vcol = gw * Cfg::kPVCols + np * 16 + (lane >> 4) * 8;
+        ldsm_x4_t(kv_a + swz(vrow, vcol), bb);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<Elem>(o[mt][2 * np], a[mt], bb[0], bb[1]);
+          mma16816<Elem>(o[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+        }
+      }
+    }
+    if (grp == 0) {  // this warp's reads of stage i % 2 are done (their registers were consumed above)
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_a + 8 * stage);
+    }
+  }
+  cp_async_wait_dyn(0);
+
+  // ---- row sums of the group's rows (sRed: the group's last reads of its row maxima preceded its last barrier) ----
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 1);
+    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 2);
+  }
+  if (q4 == 0) {
+    sRed[wc * 64 + wr * 16 + g] = l_part[0];
+    sRed[wc * 64 + wr * 16 + g + 8] = l_part[1];
+  }
+  group_bar_sync(group_bar);
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = grp * 32 + mt * 16 + g + hh * 8;
+      const int grow = row0 + row;
+      if (grow >= rows_total) continue;
+      const float l = sRed[row] + sRed[64 + row];
+      const bool empty = !(l > 0.f);
+      const float inv = empty ? 0.f : 1.f / l;
+      store_out_row<Elem, PVN>(p, w, item, grow, gw * Cfg::kPVCols, q4, o[mt], hh, inv);
+      if (gw == 0 && q4 == 0) store_lse(p, w, item, grow, empty ? -INFINITY : m_run[mt][hh] + __log2f(l));
+    }
+  }
+}
+
+template <typename Elem>
+void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
+  auto kernel = mla_decode_groups_kernel<Elem>;
+  const int smem = GroupsConfig::smem_bytes();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
+  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
+}
+
+}  // namespace mla_decode_sm80
