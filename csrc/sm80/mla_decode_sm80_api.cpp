@@ -98,8 +98,8 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   if (m_tile == 64 && g_tune_wide != 0) {
     const int wide_stages = mds::wide_stages_for(prop.smem_optin);
     const bool want = g_tune_wide >= 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
-    if (g_tune_wide == 3) {
-      if (mds::GroupsConfig::smem_bytes() <= prop.smem_optin) { ls.wide = 3; stages = mds::GroupsConfig::kStages; }
+    if (g_tune_wide >= 3) {
+      if (mds::GroupsConfig::smem_bytes() <= prop.smem_optin) { ls.wide = g_tune_wide; stages = mds::GroupsConfig::kStages; }
     } else if (want && wide_stages >= mds::kMinStages) {
       ls.wide = g_tune_wide == 2 ? 2 : 1;
       stages = wide_stages;
@@ -369,6 +369,7 @@ py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t
                      : ls.wide == 1 ? "all_warps_wide"
                      : ls.wide == 2 ? "all_warps_wide_unsplit"
                      : ls.wide == 3 ? "all_warps_wide_groups"
+                     : ls.wide == 4 ? "all_warps_wide_groups_midload"
                      : g_tune_qk_narrow != 0 ? "all_warps_narrow" : "all_warps";
   py::dict d;
   d["kernel"] = kernel;
@@ -393,8 +394,8 @@ void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t
   MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
   MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
   MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
-  MLA_CHECK(wide >= -1 && wide <= 3, "set_tuning: wide must be -1 (auto), 0, 1, 2 (wide without the split QK) or 3 "
-              "(two decoupled row groups)");
+  MLA_CHECK(wide >= -1 && wide <= 4, "set_tuning: wide must be -1 (auto), 0, 1, 2 (wide without the split QK), 3 "
+              "(two decoupled row groups) or 4 (row groups, loads issued mid-step)");
   g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);

@@ -33,7 +33,9 @@ __device__ __forceinline__ void group_bar_sync(uint32_t id) {
   asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
 }
 
-template <typename Elem>
+// kLoadMidStep: group 1 issues tile i + 1 after its QK of tile i instead of before it, so group 0 (which waits for
+// that tile) can run at most about half a step ahead: its QK then meets group 1's softmax and PV.
+template <typename Elem, bool kLoadMidStep>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const DecodeParams p) {
   using Cfg = GroupsConfig;
   constexpr int BN = Cfg::kBN, MT = Cfg::kMT, PVN = Cfg::kPVN, kRing = Cfg::kRing;
@@ -184,12 +186,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     const int stage = i & 1;
     group_bar_sync(group_bar);                          // the group's PV(i - 1) done: its P rows and (group 1) stage free
     mbar_wait(full_a + 8 * stage, uint32_t(i >> 1) & 1);  // tile i landed (and tile i + 1's page ids)
-    if (grp == 1 && i + 1 < n_tiles) {
-      if (i >= 1) mbar_wait(empty_a + 8 * (stage ^ 1), uint32_t((i - 1) >> 1) & 1);  // group 0 done with tile i - 1
-      load_tile(i + 1);
-      if (i + 2 < n_tiles) load_page_ids_async<BN, kRing>(p, w, sPage_a, i + 2, gtid);
-      cp_async_mbar_arrive(full_a + 8 * (stage ^ 1));
-    }
+    auto issue_next = [&]() {  // group 1: tile i + 1 into the other stage, tile i + 2's page ids into the ring
+      if (grp == 1 && i + 1 < n_tiles) {
+        if (i >= 1) mbar_wait(empty_a + 8 * (stage ^ 1), uint32_t((i - 1) >> 1) & 1);  // group 0 done with tile i - 1
+        load_tile(i + 1);
+        if (i + 2 < n_tiles) load_page_ids_async<BN, kRing>(p, w, sPage_a, i + 2, gtid);
+        cp_async_mbar_arrive(full_a + 8 * (stage ^ 1));
+      }
+    };
+    if constexpr (!kLoadMidStep) issue_next();
     const uint32_t kv_a = sKV_a + stage * kStageBytes;
     const int tok0 = kv_begin + i * BN;
 
@@ -206,6 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
       }
     }
     group_bar_sync(group_bar);  // the group's row maxima visible
+    if constexpr (kLoadMidStep) issue_next();
 
     // ---- reference max of the group's rows (identical on the group's threads); conditional rescale ----
     float alpha[MT][2];
@@ -318,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 
 template <typename Elem>
 void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_groups_kernel<Elem>;
+  auto kernel = p.wide == 4 ? mla_decode_groups_kernel<Elem, true> : mla_decode_groups_kernel<Elem, false>;
   const int smem = GroupsConfig::smem_bytes();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()

@@ -243,7 +243,7 @@ __device__ __forceinline__ void scale_mask_rowmax(const float (&sacc)[QKN][4], f
 }
 
 // S of a wide step by split contraction: warp (rh, kh, wc) computes rows [32 rh, 32 rh + 32) x tokens
-// [32 wc, 32 wc + 32) over dims [288 kh, 288 kh + 288): a 32 x 32 warp tile reads Q and K fragments half as often
+// [32 wc, 32 wc + 32) over half of the 576 dims (every other 16-dim k-step): a 32 x 32 warp tile reads Q and K fragments half as often
 // per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is what bounds the QK phase (ncu: mma waiting on
 // ldmatrix). The partner warp (other kh) then trades halves through `slot` (2 KB, 16-byte aligned, free from
 // before the first write until after the last read here) under named barrier `bar_id` (64 threads): kh = 0 sends
@@ -255,25 +255,37 @@ __device__ __forceinline__ void qk_split_32x32(uint32_t sQ_a, uint32_t kv_a, flo
   constexpr int QKN = 4;
   float acc[2][QKN][4];
   zero_frags(acc);
-  const int arow = rh * 32 + (lane & 15);
-  const int acol = (lane >> 4) * 8;
-  const int brow = wc * 32 + (lane & 7) + ((lane >> 4) << 3);
-  const int bcol = ((lane >> 3) & 1) * 8;
-  const int k0 = kh * (kDimQK / 2);
-#pragma unroll 3
-  for (int ks = 0; ks < kDimQK / 2 / 16; ++ks) {
-    const int k = k0 + ks * 16;
-    uint32_t a[2][4], bq[2][4];
-    ldsm_x4(sQ_a + swz(arow, k + acol), a[0]);
-    ldsm_x4(sQ_a + swz(arow + 16, k + acol), a[1]);
-    ldsm_x4(kv_a + swz(brow, k + bcol), bq[0]);
-    ldsm_x4(kv_a + swz(brow + 16, k + bcol), bq[1]);
+  // The two halves interleave by k-step: warp kh takes k-steps 2j + kh (j < 18), i.e. 16-byte chunks
+  // c = 4j + 2kh + x of its rows, x = lane's chunk within the ldmatrix (0/1). With row % 8 = r fixed per lane, the
+  // swizzled chunk is (c & ~7) | ((c ^ r) & 7) = 8 (j >> 1) + ((4 (j & 1)) ^ ((2kh + x) ^ r)): per lane two byte
+  // offsets (j even / odd) plus an immediate, so the fully unrolled loop needs no address arithmetic per ldmatrix.
+  const int r8 = lane & 7;
+  const uint32_t xa = uint32_t(((2 * kh + (lane >> 4)) ^ r8) * 16);        // Q rows: chunk x = lane / 16
+  const uint32_t xb = uint32_t(((2 * kh + ((lane >> 3) & 1)) ^ r8) * 16);  // K rows: chunk x = (lane / 8) % 2
+  const uint32_t qrow = sQ_a + uint32_t(rh * 32 + (lane & 15)) * kRowBytes;
+  const uint32_t krow = kv_a + uint32_t(wc * 32 + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
+  const uint32_t qa[2] = {qrow + xa, qrow + (xa ^ 64)};
+  const uint32_t kb[2] = {krow + xb, krow + (xb ^ 64)};
+  constexpr int kSteps = kDimQK / 2 / 16;  // 18 per warp
+  uint32_t a[2][2][4], bq[2][2][4];        // [buffer][16-row / 16-token half][fragment]: loads run one k-step ahead
+  auto load = [&](int j, int buf) {
+    const uint32_t imm = uint32_t(j >> 1) * 128;
+    ldsm_x4(qa[j & 1] + imm, a[buf][0]);
+    ldsm_x4(qa[j & 1] + imm + 16 * kRowBytes, a[buf][1]);
+    ldsm_x4(kb[j & 1] + imm, bq[buf][0]);
+    ldsm_x4(kb[j & 1] + imm + 16 * kRowBytes, bq[buf][1]);
+  };
+  load(0, 0);
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    if (j + 1 < kSteps) load(j + 1, (j + 1) & 1);
+    const int buf = j & 1;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
-        mma16816<Elem>(acc[mt][2 * np], a[mt], bq[np][0], bq[np][1]);
-        mma16816<Elem>(acc[mt][2 * np + 1], a[mt], bq[np][2], bq[np][3]);
+        mma16816<Elem>(acc[mt][2 * np], a[buf][mt], bq[buf][np][0], bq[buf][np][1]);
+        mma16816<Elem>(acc[mt][2 * np + 1], a[buf][mt], bq[buf][np][2], bq[buf][np][3]);
       }
   }
   slot += lane;

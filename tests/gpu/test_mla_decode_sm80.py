@@ -219,7 +219,7 @@ def test_decode_launch_variants(ext, tune):
         ext.set_tuning(0, 0, 0, -1, -1, -1)
 
 
-@pytest.mark.parametrize("wide", [1, 2, 3, 0], ids=["wide", "wide_unsplit", "wide_groups", "narrow"])
+@pytest.mark.parametrize("wide", [1, 2, 3, 4, 0], ids=["wide", "wide_unsplit", "wide_groups", "wide_groups_midload", "narrow"])
 @pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
                                                    (32, 4, True, 256), (128, 8, True, 64)])
 def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
@@ -232,7 +232,8 @@ def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
     ext.set_tuning(wide=wide)
     try:
         info = ext.launch_info(6, Sq, H, torch.cuda.current_device())
-        want = {1: "all_warps_wide", 2: "all_warps_wide_unsplit", 3: "all_warps_wide_groups", 0: "all_warps_narrow"}[wide]
+        want = {1: "all_warps_wide", 2: "all_warps_wide_unsplit", 3: "all_warps_wide_groups",
+                4: "all_warps_wide_groups_midload", 0: "all_warps_narrow"}[wide]
         assert info["m_tile"] == 64 and info["kernel"] == want, info
         for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
             _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
