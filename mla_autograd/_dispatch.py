@@ -124,8 +124,8 @@ TABLE: tuple[Route, ...] = (
     Route("decode", "sm80_decode", "mla_decode_sm80", lambda c: c >= (8, 0), ">= 8.0",
           KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check,
           note="mma.sync paged MLA decode; H * Sq <= 32: warp-specialized kernel (QK/softmax warps + PV warps, "
-               "1 CTA/SM) where 3 of its stages fit in smem; 64-row tiles: the wide all-warps kernel (64 KV tokens "
-               "per step) where 2 of its stages fit (sm_90); otherwise the all-warps kernel"),
+               "1 CTA/SM) where 3 of its stages fit in smem; 64-row tiles: the row-group kernel (64 KV tokens per "
+               "step, two 4-warp groups of 32 rows) where it fits (sm_90); otherwise the all-warps kernel"),
     Route("decode", "reference", None, None, "any", None, None, note="pure PyTorch"),
 )
 

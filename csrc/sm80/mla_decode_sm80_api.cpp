@@ -64,9 +64,9 @@ struct LaunchShape {
   bool ws = false;          // the warp-specialized kernel (when the caches' strides also fit int32: decode_impl)
   int ws_stages = 0;        // its cp.async stages
   int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
-  int wide = 0;             // 64-row tiles: the wide all-warps kernel (64 KV tokens per step); 1: its QK warps
-                            // split the contraction (32 x 32 warp tiles), 2: they do not (16 x 32); 3: the
-                            // row-group kernel (two decoupled 4-warp groups of 32 rows, mla_decode_groups_kernel)
+  int wide = 0;             // 64-row tiles, 64 KV tokens per step: 3 = the row-group kernel (two decoupled 4-warp
+                            // groups of 32 rows, mla_decode_groups_kernel); 1 = the lockstep wide all-warps kernel
+                            // with its QK warps splitting the contraction (32 x 32 warp tiles), 2 = not (16 x 32)
   int ctas = 1;             // CTAs per SM counted by num_parts
   int num_parts = 1;        // target number of CTAs per m-block
   int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
@@ -92,17 +92,17 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
     const int s2 = mds::max_stages_for(m_tile, per_cta);
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
   }
-  // 64-row tiles: the wide kernel (64 KV tokens per step, all eight warps on S) wherever two of its stages fit
-  // (sm_90's 227 KB, not sm_80's 163 KB). An explicit qk_narrow or stages override keeps the 32-token kernel
-  // unless wide=1 is asked for as well.
+  // 64-row tiles: the row-group kernel (64 KV tokens per step, two decoupled 4-warp groups of 32 rows) wherever
+  // it fits (sm_90's 227 KB, not sm_80's 163 KB); wide=1/2 ask for the lockstep wide kernel instead (its QK warps
+  // splitting the contraction or not). An explicit qk_narrow or stages override keeps the 32-token kernel unless
+  // wide is asked for as well.
   if (m_tile == 64 && g_tune_wide != 0) {
-    const int wide_stages = mds::wide_stages_for(prop.smem_optin);
     const bool want = g_tune_wide >= 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
-    if (g_tune_wide >= 3) {
-      if (mds::GroupsConfig::smem_bytes() <= prop.smem_optin) { ls.wide = g_tune_wide; stages = mds::GroupsConfig::kStages; }
-    } else if (want && wide_stages >= mds::kMinStages) {
-      ls.wide = g_tune_wide == 2 ? 2 : 1;
-      stages = wide_stages;
+    if (want && (g_tune_wide == 3 || g_tune_wide < 0)) {
+      if (mds::GroupsConfig::smem_bytes() <= prop.smem_optin) { ls.wide = 3; stages = mds::GroupsConfig::kStages; }
+    } else if (want) {
+      const int wide_stages = mds::wide_stages_for(prop.smem_optin);
+      if (wide_stages >= mds::kMinStages) { ls.wide = g_tune_wide; stages = wide_stages; }
     }
   }
   if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
@@ -369,7 +369,6 @@ py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t
                      : ls.wide == 1 ? "all_warps_wide"
                      : ls.wide == 2 ? "all_warps_wide_unsplit"
                      : ls.wide == 3 ? "all_warps_wide_groups"
-                     : ls.wide == 4 ? "all_warps_wide_groups_midload"
                      : g_tune_qk_narrow != 0 ? "all_warps_narrow" : "all_warps";
   py::dict d;
   d["kernel"] = kernel;
@@ -394,8 +393,8 @@ void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t
   MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
   MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
   MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
-  MLA_CHECK(wide >= -1 && wide <= 4, "set_tuning: wide must be -1 (auto), 0, 1, 2 (wide without the split QK), 3 "
-              "(two decoupled row groups) or 4 (row groups, loads issued mid-step)");
+  MLA_CHECK(wide >= -1 && wide <= 3, "set_tuning: wide must be -1 (auto: the row-group kernel where it fits), 0 (the "
+              "32-token kernel), 1 (lockstep wide), 2 (lockstep wide without the split QK) or 3 (row groups)");
   g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
   g_tune_split_loaders = int(split_loaders);
   g_tune_qk_narrow = int(qk_narrow);

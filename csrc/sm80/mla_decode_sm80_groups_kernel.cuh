@@ -33,9 +33,7 @@ __device__ __forceinline__ void group_bar_sync(uint32_t id) {
   asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
 }
 
-// kLoadMidStep: group 1 issues tile i + 1 after its QK of tile i instead of before it, so group 0 (which waits for
-// that tile) can run at most about half a step ahead: its QK then meets group 1's softmax and PV.
-template <typename Elem, bool kLoadMidStep>
+template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const DecodeParams p) {
   using Cfg = GroupsConfig;
   constexpr int BN = Cfg::kBN, MT = Cfg::kMT, PVN = Cfg::kPVN, kRing = Cfg::kRing;
@@ -179,6 +177,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     if (p.causal) lim = min(lim, causal_base + grow / p.H);
     qk_lim[hh] = grow < rows_total ? lim : -1;
   }
+  // PV operand addresses. P: rows 32 grp + 16 mt + lane % 16, column chunk lane / 16 (linear: an immediate per
+  // (mt, ks)). V (transposed ldmatrix): token rows 16 ks + lane % 8 + 8 ((lane / 8) % 2), dims 128 gw + 16 np +
+  // 8 (lane / 16), i.e. chunk c = 16 gw + 2 np + x with x = lane / 16 and row % 8 = lane % 8 = r: the swizzled
+  // chunk is 8 (2 gw + np / 4) + ((2 (np % 4)) ^ (x ^ r)), so four per-lane offsets (np % 4) plus immediates.
+  const uint32_t p_lane = sP_a + uint32_t(((grp * 32 + (lane & 15)) * Cfg::kPStride + (lane >> 4) * 8) * 2);
+  uint32_t voff[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    voff[q] = uint32_t(((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes + gw * 256 +
+                       ((((lane >> 4) ^ (lane & 7)) * 16) ^ (32 * q)));
   // the QK pair's exchange slot: 2 KB inside this group's own P rows (free between the group's PV and its P store)
   float4* const xslot = reinterpret_cast<float4*>(sP + grp * (Cfg::kGroupRows * Cfg::kPStride * 2) + wc * (QKN * 32 * 16));
 
@@ -186,15 +194,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     const int stage = i & 1;
     group_bar_sync(group_bar);                          // the group's PV(i - 1) done: its P rows and (group 1) stage free
     mbar_wait(full_a + 8 * stage, uint32_t(i >> 1) & 1);  // tile i landed (and tile i + 1's page ids)
-    auto issue_next = [&]() {  // group 1: tile i + 1 into the other stage, tile i + 2's page ids into the ring
-      if (grp == 1 && i + 1 < n_tiles) {
-        if (i >= 1) mbar_wait(empty_a + 8 * (stage ^ 1), uint32_t((i - 1) >> 1) & 1);  // group 0 done with tile i - 1
-        load_tile(i + 1);
-        if (i + 2 < n_tiles) load_page_ids_async<BN, kRing>(p, w, sPage_a, i + 2, gtid);
-        cp_async_mbar_arrive(full_a + 8 * (stage ^ 1));
-      }
-    };
-    if constexpr (!kLoadMidStep) issue_next();
+    if (grp == 1 && i + 1 < n_tiles) {  // tile i + 1 into the other stage, tile i + 2's page ids into the ring
+      if (i >= 1) mbar_wait(empty_a + 8 * (stage ^ 1), uint32_t((i - 1) >> 1) & 1);  // group 0 done with tile i - 1
+      load_tile(i + 1);
+      if (i + 2 < n_tiles) load_page_ids_async<BN, kRing>(p, w, sPage_a, i + 2, gtid);
+      cp_async_mbar_arrive(full_a + 8 * (stage ^ 1));
+    }
     const uint32_t kv_a = sKV_a + stage * kStageBytes;
     const int tok0 = kv_begin + i * BN;
 
@@ -211,7 +216,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
       }
     }
     group_bar_sync(group_bar);  // the group's row maxima visible
-    if constexpr (kLoadMidStep) issue_next();
 
     // ---- reference max of the group's rows (identical on the group's threads); conditional rescale ----
     float alpha[MT][2];
@@ -268,18 +272,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
           }
       }
     }
-#pragma unroll 2
+#pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4(sP_a + ((grp * 32 + mt * 16 + (lane & 15)) * Cfg::kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+        ldsm_x4(p_lane + uint32_t((mt * 16 * Cfg::kPStride + ks * 16) * 2), a[mt]);
 #pragma unroll
       for (int np = 0; np < PVN / 2; ++np) {
         uint32_t bb[4];
-        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int vcol = gw * Cfg::kPVCols + np * 16 + (lane >> 4) * 8;
-        ldsm_x4_t(kv_a + swz(vrow, vcol), bb);
+        ldsm_x4_t(kv_a + voff[np & 3] + uint32_t((np >> 2) * 128 + ks * 16 * kRowBytes), bb);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<Elem>(o[mt][2 * np], a[mt], bb[0], bb[1]);
@@ -324,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 
 template <typename Elem>
 void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.wide == 4 ? mla_decode_groups_kernel<Elem, true> : mla_decode_groups_kernel<Elem, false>;
+  auto kernel = mla_decode_groups_kernel<Elem>;
   const int smem = GroupsConfig::smem_bytes();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()

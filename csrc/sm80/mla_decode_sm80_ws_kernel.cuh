@@ -392,7 +392,7 @@ void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
     else launch_decode_ws_tile<Elem, 32>(p, stream);
     return;
   }
-  if (m_tile == 64 && p.wide >= 3) {
+  if (m_tile == 64 && p.wide == 3) {
     launch_decode_groups<Elem>(p, stream);
     return;
   }

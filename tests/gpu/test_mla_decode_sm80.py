@@ -219,21 +219,19 @@ def test_decode_launch_variants(ext, tune):
         ext.set_tuning(0, 0, 0, -1, -1, -1)
 
 
-@pytest.mark.parametrize("wide", [1, 2, 3, 4, 0], ids=["wide", "wide_unsplit", "wide_groups", "wide_groups_midload", "narrow"])
+@pytest.mark.parametrize("wide", [3, 1, 2, 0], ids=["wide_groups", "wide", "wide_unsplit", "narrow"])
 @pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
                                                    (32, 4, True, 256), (128, 8, True, 64)])
 def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
-    # 64-row tiles: the wide kernel (64 KV tokens per step, all warps on S; automatic where it fits; 1: 32 x 32
-    # QK warp tiles over half the contraction each, 2: 16 x 32 over all of it; 3: the row-group kernel, two 4-warp
-    # groups of 32 rows that meet only at the KV stages' mbarriers) and the 32-token NARROW kernel it
-    # replaced, on the same cases: lengths that end mid-step (17, 1000, 4097: odd
+    # 64-row tiles, 64 KV tokens per step: the row-group kernel (3, automatic where it fits: two 4-warp groups of
+    # 32 rows that meet only at the KV stages' mbarriers), the lockstep wide kernel (1: 32 x 32 QK warp tiles over
+    # half the contraction each, 2: 16 x 32 over all of it) and the 32-token NARROW kernel, on the same cases: lengths that end mid-step (17, 1000, 4097: odd
     # numbers of 32-token tiles, so the last step's second half lies past the end and is zero-filled), empty
     # requests, padding rows (24 x 3 = 72 rows), and splits (4097 tokens over several CTAs)
     ext.set_tuning(wide=wide)
     try:
         info = ext.launch_info(6, Sq, H, torch.cuda.current_device())
-        want = {1: "all_warps_wide", 2: "all_warps_wide_unsplit", 3: "all_warps_wide_groups",
-                4: "all_warps_wide_groups_midload", 0: "all_warps_narrow"}[wide]
+        want = {1: "all_warps_wide", 2: "all_warps_wide_unsplit", 3: "all_warps_wide_groups", 0: "all_warps_narrow"}[wide]
         assert info["m_tile"] == 64 and info["kernel"] == want, info
         for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
             _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
