@@ -32,6 +32,13 @@ namespace mla_decode_sm80 {
 __device__ __forceinline__ void group_bar_sync(uint32_t id) {
   asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
 }
+// The same barrier, returning whether `v` was true on any of the group's threads.
+__device__ __forceinline__ bool group_bar_sync_or(uint32_t id, bool v) {
+  uint32_t r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 q, %2, 0;\n bar.red.or.pred p, %1, 128, q;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(r) : "r"(id), "r"(uint32_t(v)) : "memory");
+  return r != 0;
+}
 
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const DecodeParams p) {
@@ -205,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 
     // ---- S = Q K^T for this warp's 16 rows x 32 tokens, row maxima ----
     float s[QKN][4];
+    bool moves = false;
     {
       float sacc[QKN][4];
       qk_split_32x32<Elem>(sQ_a, kv_a, xslot, 1 + grp * 2 + wc, grp, kh, wc, lane, sacc);
@@ -214,25 +222,38 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
         sRed[wc * 64 + wr * 16 + g] = mx[0];
         sRed[wc * 64 + wr * 16 + g + 8] = mx[1];
       }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) moves |= mx[hh] > (kh ? m_run[1][hh] : m_run[0][hh]) + kRescaleLog2;
     }
-    group_bar_sync(group_bar);  // the group's row maxima visible
+    // the group's row maxima visible; and whether any of its rows' reference moves this step
+    moves = group_bar_sync_or(group_bar, moves);
 
-    // ---- reference max of the group's rows (identical on the group's threads); conditional rescale ----
+    // ---- reference max of the group's rows (identical on the group's threads); conditional rescale: the
+    // reference moves only when a row max grows by more than kRescaleLog2 (see mla_decode_kernel), so on most steps
+    // no row moves and the row maxima are not even read ----
     float alpha[MT][2];
-    float qk_alpha[2] = {1.f, 1.f}, qk_muse[2] = {0.f, 0.f};
+    float qk_alpha[2] = {1.f, 1.f}, qk_muse[2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int hh = 0; hh < 2; ++hh) {
+      const float m = kh ? m_run[1][hh] : m_run[0][hh];
+      qk_muse[hh] = m == -INFINITY ? 0.f : m;
+    }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = grp * 32 + mt * 16 + g + hh * 8;
-        float mx = fmaxf(m_run[mt][hh], fmaxf(sRed[row], sRed[64 + row]));
-        // the reference moves only when a row max grows by more than kRescaleLog2 (see mla_decode_kernel)
-        const bool keep = !(mx > m_run[mt][hh] + kRescaleLog2);
-        if (keep) mx = m_run[mt][hh];
-        const float mu = (mx == -INFINITY) ? 0.f : mx;
-        alpha[mt][hh] = keep ? 1.f : fast_exp2(m_run[mt][hh] - mu);
-        m_run[mt][hh] = mx;
-        if (mt == kh) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
+    for (int mt = 0; mt < MT; ++mt) alpha[mt][0] = alpha[mt][1] = 1.f;
+    if (moves) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = grp * 32 + mt * 16 + g + hh * 8;
+          float mx = fmaxf(m_run[mt][hh], fmaxf(sRed[row], sRed[64 + row]));
+          const bool keep = !(mx > m_run[mt][hh] + kRescaleLog2);
+          if (keep) mx = m_run[mt][hh];
+          const float mu = (mx == -INFINITY) ? 0.f : mx;
+          alpha[mt][hh] = keep ? 1.f : fast_exp2(m_run[mt][hh] - mu);
+          m_run[mt][hh] = mx;
+          if (mt == kh) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
+        }
       }
     }
 
@@ -262,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
       bool moved = false;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
-      if (__any_sync(0xffffffffu, moved)) {
+      if (moves && __any_sync(0xffffffffu, moved)) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
