@@ -73,7 +73,6 @@ struct GroupsConfig {
   static constexpr int kPVCols = kDimCkv / kGroupWarps;  // 128 output dims per warp
   static constexpr int kPVN = kPVCols / 8;
   static constexpr int kPStride = Base::kPStride;
-  static constexpr int kLoadRows = kBN / kGroupWarps;    // 16 ckv rows per loader warp and step
   static constexpr int smem_bytes() { return Base::smem_bytes(kStages) + 4 * 8; }  // + full[2], empty[2]
   static_assert(Base::smem_bytes(kStages) % 8 == 0, "mbarriers need 8-byte alignment");
   static_assert(kGroupRows * kPStride * 2 >= 2 * 4 * 32 * 16, "a group's P rows hold its two QK exchange slots");

@@ -81,7 +81,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   const int gtid = tid & (Cfg::kGroupThreads - 1);
   const uint32_t group_bar = 5 + grp;  // named barriers 1-4: the QK pairs; 5, 6: the groups
 
-  const int page_mask = p.page_size - 1;
   const Elem* ckv = reinterpret_cast<const Elem*>(p.ckv);
   const Elem* kpe = reinterpret_cast<const Elem*>(p.kpe);
 
@@ -92,68 +91,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     mbar_init(empty_a + 8, Cfg::kGroupWarps);
   }
   stage_page_ids<BN, kRing>(p, w, sPage, 2, tid, kThreads);  // tiles 0 and 1; later ones by cp.async
-  {
-    const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
-    const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
-    for (int idx = tid; idx < 64 * 72; idx += kThreads) {
-      const int r = idx / 72, c = idx % 72;
-      const int grow = row0 + r;
-      const bool ok = grow < rows_total;
-      const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
-      const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
-                               : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
-      cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
-    }
-    cp_async_commit();
-  }
+  load_q_tile<Elem, 64>(p, b, row0, sQ_a, tid);
+  cp_async_commit();
   __syncthreads();  // page ids of tiles 0-1 and the mbarrier inits visible
 
-  // ---- KV loader (group 1): warp gw takes rows gw + 4k (k < 16), each as two 512-byte ckv halves (one warp
-  // instruction each); rows of one parity of k share row % 8, so the swizzled column is one of two per-lane
-  // constants. The kpe rows: 8 lanes per row, rows gtid / 8 + 16k (one row % 8 per lane). One page-id read and
-  // one offset (32-bit indices times the 64-bit strides) per row; rows past the range are zero-filled from page 0.
-  const Elem* ckv_lane = ckv + lane * 8;
-  const Elem* kpe_lane = kpe + (lane & 7) * 8;
-  uint32_t lcol0[2], lcol1[2];
-#pragma unroll
-  for (int par = 0; par < 2; ++par) {
-    const int r = gw + 4 * par;
-    lcol0[par] = swz(r, lane * 8) - r * kRowBytes;
-    lcol1[par] = swz(r, 256 + lane * 8) - r * kRowBytes;
-  }
-  const int lkpe_row = gtid >> 3;
-  const uint32_t lkpe_dst = swz(lkpe_row, kDimCkv + (lane & 7) * 8);
+  // ---- KV loader: group 1's four warps (RowLoader) ----
+  const RowLoader<Elem, Cfg::kGroupWarps, BN> row_loader(ckv, kpe, gw, lane);
   auto load_tile = [&](int tile) {
-    const uint32_t dst = sKV_a + (tile & 1) * kStageBytes;
-    const int* pid = sPage + (tile % kRing) * BN;
-    const int tok0 = kv_begin + tile * BN;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // 8 page ids at a time: one smem latency per 8 rows
-      int pg[Cfg::kLoadRows / 2];
-#pragma unroll
-      for (int k = 0; k < Cfg::kLoadRows / 2; ++k) pg[k] = pid[gw + 4 * (half * (Cfg::kLoadRows / 2) + k)];
-#pragma unroll
-      for (int k = 0; k < Cfg::kLoadRows / 2; ++k) {
-        const int r = gw + 4 * (half * (Cfg::kLoadRows / 2) + k);
-        const int tok = tok0 + r;
-        const Elem* src = ckv_lane + (uint64_t(uint32_t(pg[k])) * uint64_t(p.ckv_stride_page) +
-                                      uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
-        const uint32_t d = dst + r * kRowBytes;
-        cp_async16(d + lcol0[k & 1], src, tok < kv_end);
-        cp_async16(d + lcol1[k & 1], src + 256, tok < kv_end);
-      }
-    }
-    int pgk[BN / 16];
-#pragma unroll
-    for (int k = 0; k < BN / 16; ++k) pgk[k] = pid[lkpe_row + 16 * k];
-#pragma unroll
-    for (int k = 0; k < BN / 16; ++k) {
-      const int r = lkpe_row + 16 * k;
-      const int tok = tok0 + r;
-      const Elem* src = kpe_lane + (uint64_t(uint32_t(pgk[k])) * uint64_t(p.kpe_stride_page) +
-                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
-      cp_async16(dst + lkpe_dst + 16 * k * kRowBytes, src, tok < kv_end);
-    }
+    row_loader.load(p, sKV_a + (tile & 1) * kStageBytes, sPage + (tile % kRing) * BN, kv_begin + tile * BN, kv_end);
   };
 
   if (grp == 1 && n_tiles > 0) {
@@ -175,15 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   const int kh = (warp >> 1) & 1;  // QK: contraction half, then rows [16 wr, 16 wr + 16) of the tile
   const int wc = warp & 1;         // QK: tokens [32 wc, 32 wc + 32) of the step
   const int wr = 2 * grp + kh;
-  const int causal_base = L - p.Sq;
   int qk_lim[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int grow = row0 + wr * 16 + g + hh * 8;
-    int lim = kv_end - 1;
-    if (p.causal) lim = min(lim, causal_base + grow / p.H);
-    qk_lim[hh] = grow < rows_total ? lim : -1;
-  }
+  qk_row_limits(p, row0 + wr * 16 + g, kv_end, L, qk_lim);
   // PV operand addresses. P: rows 32 grp + 16 mt + lane % 16, column chunk lane / 16 (linear: an immediate per
   // (mt, ks)). V (transposed ldmatrix): token rows 16 ks + lane % 8 + 8 ((lane / 8) % 2), dims 128 gw + 16 np +
   // 8 (lane / 16), i.e. chunk c = 16 gw + 2 np + x with x = lane / 16 and row % 8 = lane % 8 = r: the swizzled
@@ -258,24 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     }
 
     // ---- P = exp2(S - m) to smem, row sums ----
-    {
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < QKN; ++nt) {
-        float pv[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pv[e] = fast_exp2(s[nt][e] - qk_muse[e >> 1]);
-          rs[e >> 1] += pv[e];
-        }
-        const int col = wc * 32 + nt * 8 + 2 * q4;
-        const int r0 = wr * 16 + g;
-        *reinterpret_cast<uint32_t*>(sP + (r0 * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
-      }
-      l_part[0] = l_part[0] * qk_alpha[0] + rs[0];
-      l_part[1] = l_part[1] * qk_alpha[1] + rs[1];
-    }
+    store_p_rowsum<Elem, QKN, Cfg::kPStride>(s, qk_muse, qk_alpha, sP, wr * 16 + g, wc * 32, q4, l_part);
     group_bar_sync(group_bar);  // the group's P visible
 
     // ---- O = O * alpha + P V: the group's 32 rows x this warp's 128 dims ----
@@ -283,15 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
       bool moved = false;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
-      if (moves && __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < PVN; ++nt) {
-            o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
-            o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
-          }
-      }
+      if (moves && __any_sync(0xffffffffu, moved)) rescale_o(o, alpha);
     }
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks) {
@@ -318,11 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   cp_async_wait_dyn(0);
 
   // ---- row sums of the group's rows (sRed: the group's last reads of its row maxima preceded its last barrier) ----
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 1);
-    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 2);
-  }
+  quad_sum_rows(l_part);
   if (q4 == 0) {
     sRed[wc * 64 + wr * 16 + g] = l_part[0];
     sRed[wc * 64 + wr * 16 + g + 8] = l_part[1];

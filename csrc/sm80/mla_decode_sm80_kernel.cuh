@@ -205,6 +205,143 @@ __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem&
   }
 }
 
+// This lane's source in one cache row: page id and in-page row (both >= 0, 32-bit) times the 64-bit strides.
+template <typename Elem>
+__device__ __forceinline__ const Elem* cache_row(const Elem* lane_base, int page, int row_in_page, int64_t stride_page,
+                                                 int64_t stride_row) {
+  return lane_base + (uint64_t(uint32_t(page)) * uint64_t(stride_page) + uint64_t(uint32_t(row_in_page)) * uint64_t(stride_row));
+}
+
+// Last visible KV position of this thread's two QK rows (tile rows row16 + g and + 8; -1: a padding row sees
+// nothing): the item's end, and with causal masking token t's own position L - Sq + t.
+__device__ __forceinline__ void qk_row_limits(const DecodeParams& p, int grow0, int kv_end, int L, int (&lim)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int grow = grow0 + hh * 8;
+    int l = kv_end - 1;
+    if (p.causal) l = min(l, L - p.Sq + grow / p.H);
+    lim[hh] = grow < p.Sq * p.H ? l : -1;
+  }
+}
+
+// Per-row KV loader of the 64-token kernels: NLW loader warps (warp lw of them, all 32 lanes) copy one step of BN
+// token rows into a stage. Warp lw takes rows lw + NLW k, each as two 512-byte ckv halves (one warp instruction
+// each); the kpe rows go 8 lanes per row, rows lt / 8 + 4 NLW k (lt = 32 lw + lane). A row's swizzled column depends
+// only on row % 8: for the ckv rows one of 8 / NLW per-lane constants (k % (8 / NLW)), for the kpe rows one. A row
+// costs one page-id read (all of a step's first: one shared-memory latency) and one offset (cache_row); rows past the
+// range are zero-filled from page 0 (their ring entry), an in-bounds address.
+template <typename Elem, int NLW, int BN>
+struct RowLoader {
+  static_assert(NLW == 4 || NLW == 8, "4 or 8 loader warps");
+  static constexpr int kPar = 8 / NLW;
+  static constexpr int kRows = BN / NLW;        // ckv rows per warp
+  static constexpr int kKpeRows = BN * 8 / (NLW * 32);  // kpe rows per thread
+  const Elem* ckv_lane;
+  const Elem* kpe_lane;
+  uint32_t col0[kPar], col1[kPar], kpe_dst;
+  int lw, kpe_row;
+
+  __device__ __forceinline__ RowLoader(const Elem* ckv, const Elem* kpe, int lw_, int lane) : lw(lw_) {
+    ckv_lane = ckv + lane * 8;
+    kpe_lane = kpe + (lane & 7) * 8;
+#pragma unroll
+    for (int par = 0; par < kPar; ++par) {
+      const int r = lw + NLW * par;
+      col0[par] = swz(r, lane * 8) - r * kRowBytes;
+      col1[par] = swz(r, 256 + lane * 8) - r * kRowBytes;
+    }
+    kpe_row = (32 * lw + lane) >> 3;
+    kpe_dst = swz(kpe_row, kDimCkv + (lane & 7) * 8);
+  }
+
+  // Tokens [tok0, tok0 + BN) (valid below kv_end) with page ids pid[0..BN) into the stage at shared address dst.
+  __device__ __forceinline__ void load(const DecodeParams& p, uint32_t dst, const int* pid, int tok0, int kv_end) const {
+    const int page_mask = p.page_size - 1;
+    int pg[kRows], pgk[kKpeRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) pg[k] = pid[lw + NLW * k];
+#pragma unroll
+    for (int k = 0; k < kKpeRows; ++k) pgk[k] = pid[kpe_row + 4 * NLW * k];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int r = lw + NLW * k;
+      const int tok = tok0 + r;
+      const Elem* src = cache_row(ckv_lane, pg[k], tok & page_mask, p.ckv_stride_page, p.ckv_stride_row);
+      const uint32_t d = dst + r * kRowBytes;
+      cp_async16(d + col0[k % kPar], src, tok < kv_end);
+      cp_async16(d + col1[k % kPar], src + 256, tok < kv_end);
+    }
+#pragma unroll
+    for (int k = 0; k < kKpeRows; ++k) {
+      const int r = kpe_row + 4 * NLW * k;
+      const int tok = tok0 + r;
+      const Elem* src = cache_row(kpe_lane, pgk[k], tok & page_mask, p.kpe_stride_page, p.kpe_stride_row);
+      cp_async16(dst + kpe_dst + 4 * NLW * k * kRowBytes, src, tok < kv_end);
+    }
+  }
+};
+
+// The Q tile: rows (token, head) row0 .. row0 + M_TILE - 1 of request b into sQ (swizzled, 576 dims), zero past
+// Sq * H; cp.async by all kThreads threads, not committed.
+template <typename Elem, int M_TILE>
+__device__ __forceinline__ void load_q_tile(const DecodeParams& p, int b, int row0, uint32_t sQ_a, int tid) {
+  const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
+  const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
+  const int rows_total = p.Sq * p.H;
+  for (int idx = tid; idx < M_TILE * 72; idx += kThreads) {
+    const int r = idx / 72, c = idx % 72;
+    const int grow = row0 + r;
+    const bool ok = grow < rows_total;
+    const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
+    const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
+                             : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
+    cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
+  }
+}
+
+// P = exp2(S - m) of a QK warp's rows r0 + (0, 8) x tokens col0 + 8 nt + 2 q4 into the 16-bit P buffer (row stride
+// PSTRIDE elements), and the running row sums l = l * alpha + rowsum(P) (this thread's part).
+template <typename Elem, int QKN, int PSTRIDE>
+__device__ __forceinline__ void store_p_rowsum(const float (&s)[QKN][4], const float (&muse)[2], const float (&alpha)[2],
+                                               uint8_t* sP, int r0, int col0, int q4, float (&l_part)[2]) {
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < QKN; ++nt) {
+    float pv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pv[e] = fast_exp2(s[nt][e] - muse[e >> 1]);
+      rs[e >> 1] += pv[e];
+    }
+    const int col = col0 + nt * 8 + 2 * q4;
+    *reinterpret_cast<uint32_t*>(sP + (r0 * PSTRIDE + col) * 2) = pack2<Elem>(pv[0], pv[1]);
+    *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * PSTRIDE + col) * 2) = pack2<Elem>(pv[2], pv[3]);
+  }
+  l_part[0] = l_part[0] * alpha[0] + rs[0];
+  l_part[1] = l_part[1] * alpha[1] + rs[1];
+}
+
+// O *= alpha per row (rows mt * 16 + g and + 8 of the fragments).
+template <int MT, int PVN>
+__device__ __forceinline__ void rescale_o(float (&o)[MT][PVN][4], const float (&alpha)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < PVN; ++nt) {
+      o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
+      o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
+    }
+}
+
+// Row sums of a QK warp's two rows over its quad (every lane of the quad then holds them).
+__device__ __forceinline__ void quad_sum_rows(float (&l_part)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 1);
+    l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 2);
+  }
+}
+
 // S in the log2 domain (times scale_log2) for a warp's 16 rows x 8 QKN tokens from token tok_c0, -inf past each
 // row's last visible position lim[hh], and the row maxima over these tokens (quad-reduced, so every lane of a
 // row's quad holds it). kSkipInside: when all of the warp's tokens lie inside both rows' ranges (every step but the
@@ -362,19 +499,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   stage_page_ids<BN, kRing>(p, w, sPage, 2 * stages - 2, tid, kThreads);
 
   // ---- Q tile (rows (token, head), zero-filled past Sq*H) ----
-  {
-    const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
-    const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
-    for (int idx = tid; idx < M_TILE * 72; idx += kThreads) {
-      const int r = idx / 72, c = idx % 72;
-      const int grow = row0 + r;
-      const bool ok = grow < rows_total;
-      const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
-      const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
-                               : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
-      cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
-    }
-  }
+  load_q_tile<Elem, M_TILE>(p, b, row0, sQ_a, tid);
   __syncthreads();  // page ids of the first tiles visible
 
   // ---- KV tile loader: 64 ckv chunks + 8 kpe chunks per token row. NL loader threads (lt = 0..NL-1):
@@ -408,46 +533,10 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       }
     }
   };
-  // Wide tile (all 256 threads load 64 rows, on every warp's way into its QK work, so the per-row cost counts):
-  // warp w takes rows w, w + 8, ..., each as two 512-byte ckv halves (one warp instruction each) and, 32 rows per
-  // instruction, the 128-byte kpe rows. Every row of warp w has row % 8 == w, so the swizzled smem column of each
-  // copy is a per-lane constant, and a row costs one page-id read and one offset (the loop above: one per
-  // 16-byte copy), from 32-bit page and row indices (>= 0) times the 64-bit strides. Rows past the range are
-  // zero-filled; their page-ring entry is 0, an in-bounds address.
-  const Elem* ckv_lane = ckv + lane * 8;
-  const Elem* kpe_lane = kpe + (lane & 7) * 8;
-  const uint32_t wcol0 = swz(warp, lane * 8) - warp * kRowBytes;
-  const uint32_t wcol1 = swz(warp, 256 + lane * 8) - warp * kRowBytes;
-  const int wkpe_row = warp + kWarps * (lane >> 3);  // + 32 k: the same row % 8
-  const uint32_t wkpe_dst = swz(wkpe_row, kDimCkv + (lane & 7) * 8);
+  // Wide tile: all eight warps load the step's 64 rows (RowLoader), on every warp's way into its QK work.
+  const RowLoader<Elem, kWarps, BN> row_loader(ckv, kpe, warp, lane);
   auto load_kv_wide = [&](int tile) {
-    const uint32_t dst = sKV_a + (tile % stages) * (BN * kRowBytes);
-    const int* pid = sPage + (tile % kRing) * BN;
-    const int tok0 = kv_begin + tile * BN;
-    // all page ids first: one shared-memory latency per step instead of one per row
-    int pg[BN / kWarps], pgk[BN / 32];
-#pragma unroll
-    for (int k = 0; k < BN / kWarps; ++k) pg[k] = pid[warp + kWarps * k];
-#pragma unroll
-    for (int k = 0; k < BN / 32; ++k) pgk[k] = pid[wkpe_row + 32 * k];
-#pragma unroll
-    for (int k = 0; k < BN / kWarps; ++k) {
-      const int r = warp + kWarps * k;
-      const int tok = tok0 + r;
-      const Elem* src = ckv_lane + (uint64_t(uint32_t(pg[k])) * uint64_t(p.ckv_stride_page) +
-                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.ckv_stride_row));
-      const uint32_t d = dst + r * kRowBytes;
-      cp_async16(d + wcol0, src, tok < kv_end);
-      cp_async16(d + wcol1, src + 256, tok < kv_end);
-    }
-#pragma unroll
-    for (int k = 0; k < BN / 32; ++k) {
-      const int r = wkpe_row + 32 * k;
-      const int tok = tok0 + r;
-      const Elem* src = kpe_lane + (uint64_t(uint32_t(pgk[k])) * uint64_t(p.kpe_stride_page) +
-                                    uint64_t(uint32_t(tok & page_mask)) * uint64_t(p.kpe_stride_row));
-      cp_async16(dst + wkpe_dst + 32 * k * kRowBytes, src, tok < kv_end);
-    }
+    row_loader.load(p, sKV_a + (tile % stages) * (BN * kRowBytes), sPage + (tile % kRing) * BN, kv_begin + tile * BN, kv_end);
   };
   constexpr int kIdleThreads = (kWarps - Cfg::kQKWarps) * 32;
   const bool split_loaders = kIdleThreads >= 64 && p.split_loaders;
@@ -483,17 +572,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const bool qk_warp = warp < Cfg::kQKWarps;
   const int wr = warp / WC;           // QK row group (valid when qk_warp)
   const int wc = warp % WC;           // QK column group
-  const int causal_base = L - p.Sq;   // token t sees positions <= causal_base + t
-
-  // Last visible KV position of each QK row of this thread (-1: padding row sees nothing).
   int qk_lim[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int grow = row0 + wr * 16 + g + hh * 8;
-    int lim = kv_end - 1;
-    if (p.causal) lim = min(lim, causal_base + grow / p.H);
-    qk_lim[hh] = grow < rows_total ? lim : -1;
-  }
+  qk_row_limits(p, row0 + wr * 16 + g, kv_end, L, qk_lim);
 
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait_dyn(stages - 2);
@@ -591,24 +671,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     }
 
     // ---- P = exp2(S - m), row sums, P to smem ----
-    if (qk_warp) {
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < QKN; ++nt) {
-        float pv[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pv[e] = fast_exp2(s[nt][e] - qk_muse[e >> 1]);
-          rs[e >> 1] += pv[e];
-        }
-        const int col = wc * Cfg::kQKCols + nt * 8 + 2 * q4;
-        const int r0 = wr * 16 + g;
-        *reinterpret_cast<uint32_t*>(sP + (r0 * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sP + ((r0 + 8) * Cfg::kPStride + col) * 2) = pack2<Elem>(pv[2], pv[3]);
-      }
-      l_part[0] = l_part[0] * qk_alpha[0] + rs[0];
-      l_part[1] = l_part[1] * qk_alpha[1] + rs[1];
-    }
+    if (qk_warp)
+      store_p_rowsum<Elem, QKN, Cfg::kPStride>(s, qk_muse, qk_alpha, sP, wr * 16 + g, wc * Cfg::kQKCols, q4, l_part);
     __syncthreads();  // B3: P visible
 
     // ---- O = O * alpha + P V (each warp: all M_TILE rows x 64 dims) ----
@@ -619,15 +683,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
       rescale = __any_sync(0xffffffffu, moved);
     }
-    if (rescale) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < PVN; ++nt) {
-          o[mt][nt][0] *= alpha[mt][0]; o[mt][nt][1] *= alpha[mt][0];
-          o[mt][nt][2] *= alpha[mt][1]; o[mt][nt][3] *= alpha[mt][1];
-        }
-    }
+    if (rescale) rescale_o(o, alpha);
 #pragma unroll (M_TILE == 32 ? 1 : 2)
     for (int ks = 0; ks < BN / 16; ++ks) {
       uint32_t a[MT][4];
@@ -652,11 +708,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
   // ---- final row sums: quad reduce, exchange across the QK column groups ----
   if (qk_warp) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 1);
-      l_part[hh] += __shfl_xor_sync(0xffffffffu, l_part[hh], 2);
-    }
+    quad_sum_rows(l_part);
     if (q4 == 0) {
       sRedSum[wc * M_TILE + wr * 16 + g] = l_part[0];
       sRedSum[wc * M_TILE + wr * 16 + g + 8] = l_part[1];
