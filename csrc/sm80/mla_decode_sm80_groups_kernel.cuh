@@ -1,11 +1,9 @@
 // Wide 64-row MLA decode with two decoupled row groups (set_tuning wide=3), SM80 style (mma.sync m16n8k16,
 // cp.async, ldmatrix, XOR-swizzled smem); built for sm_80 and sm_90, launched where its smem fits (sm_90).
 //
-// Why: the wide kernel (mla_decode_kernel, TileConfig<64, false, 64>) runs its eight warps in lockstep through
-// QK (ldmatrix + mma), softmax (no tensor work) and PV (mma) with three CTA-wide barriers per 64-token step,
-// so the tensor pipe idles through every softmax, exchange and barrier (ncu at H=128: 42% busy, issue slots 33%,
-// two warps per scheduler that stall on the same phase). Its split-contraction QK already keeps rows 0-31 in
-// warps 0-3 and rows 32-63 in warps 4-7; here PV follows the same split, so the two 4-warp groups share nothing
+// The wide kernel (mla_decode_kernel, TileConfig<64, false, 64>) runs its eight warps in lockstep through QK,
+// softmax and PV with three CTA-wide barriers per 64-token step. Its split-contraction QK already keeps rows 0-31
+// in warps 0-3 and rows 32-63 in warps 4-7; here PV follows the same split, so the two 4-warp groups share nothing
 // but the KV stages:
 //   - group r (warps 4r..4r+3) owns rows [32 r, 32 r + 32): S by split contraction (qk_split_32x32), its row
 //     maxima, P, and O = P V for those rows, each warp 128 of the 512 output dims (fp32 O: 32 x 128 per warp,
@@ -13,9 +11,11 @@
 //   - the groups meet only at the KV stages, through mbarriers: full[s] (tile landed: group 1's 128 threads
 //     arrive by cp.async.mbarrier.arrive once their copies have landed) and empty[s] (group 0's four warps
 //     arrive after their PV of the tile). Group 1 issues every load, after its own PV of the stage's previous
-//     tile, so group 0 runs ahead and the groups drift apart: one group's QK (shared memory + tensor) overlaps the
-//     other's softmax and PV instead of all eight warps queueing on the same unit;
+//     tile, so group 0 runs ahead;
 //   - within a group, named barriers (128 threads) replace __syncthreads.
+// Measured on the H200 (docs/perf/mla_decode_sm80.md, session 11): the decoupling alone was no faster than the
+// lockstep kernel; the gain (266 -> 295 TF/s at 128 heads) came with ldmatrix addresses from per-lane offsets
+// (qk_split_32x32 and the PV loop below), which this layout turned into a 5-8% win against 1% in the lockstep one.
 // Pipeline: two stages of 64 tokens (the H200's 227 KB: Q 72 KB + 2 x 72 KB + P + page ids + 4 mbarriers).
 // Tile i lives in stage i % 2; group 1 issues tile i + 1 at the top of its step i, once group 0 has finished
 // tile i - 1 (empty) and tile i has landed (full: it also carries tile i + 1's page ids, staged two tiles ahead).
@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   constexpr int BN = Cfg::kBN, MT = Cfg::kMT, PVN = Cfg::kPVN, kRing = Cfg::kRing;
   constexpr int QKN = 4;                         // 32 tokens per QK warp
   constexpr int kStageBytes = BN * kRowBytes;
+  static_assert(Cfg::kStages == 2, "tile i lives in stage i & 1");
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;

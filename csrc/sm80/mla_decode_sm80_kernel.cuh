@@ -214,8 +214,9 @@ __device__ __forceinline__ const Elem* cache_row(const Elem* lane_base, int page
   return lane_base + (uint64_t(uint32_t(page)) * uint64_t(stride_page) + uint64_t(uint32_t(row_in_page)) * uint64_t(stride_row));
 }
 
-// Last visible KV position of this thread's two QK rows (tile rows row16 + g and + 8; -1: a padding row sees
-// nothing): the item's end, and with causal masking token t's own position L - Sq + t.
+// Last visible KV position of this thread's two QK rows (rows grow0 and grow0 + 8 of the request, i.e. (token,
+// head) pairs; -1: a padding row sees nothing): the item's end, and with causal masking token t's own position
+// L - Sq + t.
 __device__ __forceinline__ void qk_row_limits(const DecodeParams& p, int grow0, int kv_end, int L, int (&lim)[2]) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -382,9 +383,9 @@ __device__ __forceinline__ void scale_mask_rowmax(const float (&sacc)[QKN][4], f
 }
 
 // S of a wide step by split contraction: warp (rh, kh, wc) computes rows [32 rh, 32 rh + 32) x tokens
-// [32 wc, 32 wc + 32) over half of the 576 dims (every other 16-dim k-step): a 32 x 32 warp tile reads Q and K fragments half as often
-// per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is what bounds the QK phase (ncu: mma waiting on
-// ldmatrix). The partner warp (other kh) then trades halves through `slot` (2 KB, 16-byte aligned, free from
+// [32 wc, 32 wc + 32) over half of the 576 dims (every other 16-dim k-step): a 32 x 32 warp tile reads Q and K
+// fragments half as often per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is what bounds the QK
+// phase (ncu: mma waiting on ldmatrix). The partner warp (other kh) then trades halves through `slot` (2 KB, 16-byte aligned, free from
 // before the first write until after the last read here) under named barrier `bar_id` (64 threads): kh = 0 sends
 // rows 16-31, then kh = 1 adds them and sends rows 0-15 from the same slot (its own read precedes its write).
 // Each keeps 16 rows: sacc = S[32 rh + 16 kh + (16-row fragment)][32 wc + (32 tokens)], unscaled.

@@ -74,20 +74,14 @@ def main() -> int:
     # decode. --qk-mbar: the warp-specialized kernel's QK warps sync on an mbarrier (set_tuning qk_mbar=1, same
     # results bit for bit); with their default named barrier racecheck loses track of the QK -> PV hand-offs
     # and reports 2-3 false hazards (scripts/racecheck_probe.cu, modes 5 and 6).
-    # --wide-groups: 64-row tiles run the row-group kernel (set_tuning wide=3).
-    tune = {}
     if "--qk-mbar" in sys.argv:
-        tune["qk_mbar"] = 1
-    if "--wide-groups" in sys.argv:
-        tune["wide"] = 3
-    if tune:
         from mla_autograd._build import load_family
-        load_family("mla_decode_sm80").set_tuning(**tune)
+        load_family("mla_decode_sm80").set_tuning(qk_mbar=1)
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator
-    # H=16: the warp-specialized kernel; H=64: the wide 64-row kernel where it fits (sm_90), 100 tokens = one whole
-    # 64-token step and one that ends inside its first half
+    # H=16: the warp-specialized kernel; H=64: the row-group 64-row kernel where it fits (sm_90), 100 tokens = one
+    # whole 64-token step and one that ends inside its first half
     for H, Sq in ((16, 1), (64, 1)):
         qn = torch.randn(4, Sq, H, 512, device=dev, dtype=dt, generator=g)
         qp = torch.randn(4, Sq, H, 64, device=dev, dtype=dt, generator=g)

@@ -225,9 +225,10 @@ def test_decode_launch_variants(ext, tune):
 def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
     # 64-row tiles, 64 KV tokens per step: the row-group kernel (3, automatic where it fits: two 4-warp groups of
     # 32 rows that meet only at the KV stages' mbarriers), the lockstep wide kernel (1: 32 x 32 QK warp tiles over
-    # half the contraction each, 2: 16 x 32 over all of it) and the 32-token NARROW kernel, on the same cases: lengths that end mid-step (17, 1000, 4097: odd
-    # numbers of 32-token tiles, so the last step's second half lies past the end and is zero-filled), empty
-    # requests, padding rows (24 x 3 = 72 rows), and splits (4097 tokens over several CTAs)
+    # half the contraction each, 2: 16 x 32 over all of it) and the 32-token NARROW kernel, on the same cases:
+    # lengths that end mid-step (17, 1000, 4097: odd numbers of 32-token tiles, so the last step's second half
+    # lies past the end and is zero-filled), empty requests, padding rows (24 x 3 = 72 rows), and splits (4097
+    # tokens over several CTAs)
     ext.set_tuning(wide=wide)
     try:
         info = ext.launch_info(6, Sq, H, torch.cuda.current_device())
