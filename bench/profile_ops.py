@@ -218,6 +218,51 @@ def run_harness(dims: int, causal: bool, reps: int = 3) -> None:
               f"bench_one ({order[0][0]} first) {rows['mla_autograd']:.3f} / {rows['sdpa_cudnn']:.3f}")
 
 
+def flushed_timeline(label: str, fn, iters: int = 20, flush_mb: int = 256) -> None:
+    """The kernels of one call as bench_decode's timer sees it (triton do_bench: the L2 flushed by zeroing a
+    256 MB buffer before every call): per kernel, the median start after the flush kernel ended and the
+    median duration, and the median span from the flush's end to the call's last kernel end."""
+    import json
+    import os
+    import statistics
+    import tempfile
+    flush = torch.empty(flush_mb << 20, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        flush.zero_()
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    calls, cur = [], None
+    for e in events:
+        if "elementwise" in e["name"] or "fill" in e["name"].lower():  # the flush (zero_) starts a call
+            cur = {"t0": e["ts"] + e["dur"], "kernels": []}
+            calls.append(cur)
+        elif cur is not None:
+            cur["kernels"].append(e)
+    calls = [c for c in calls if c["kernels"]]
+    if not calls:
+        print(f"[{label}] flushed timeline: no kernels found")
+        return
+    spans = [max(k["ts"] + k["dur"] for k in c["kernels"]) - c["t0"] for c in calls]
+    print(f"[{label}] after an L2 flush ({len(calls)} calls): median span flush end -> last kernel end "
+          f"{statistics.median(spans):.1f} us")
+    n = min(len(c["kernels"]) for c in calls)
+    for i in range(n):
+        starts = [c["kernels"][i]["ts"] - c["t0"] for c in calls]
+        durs = [c["kernels"][i]["dur"] for c in calls]
+        print(f"  start {statistics.median(starts):7.1f} us  dur {statistics.median(durs):7.1f} us  "
+              f"{calls[0]['kernels'][i]['name'][:100]}")
+
+
 def run_decode(B: int, S: int, H: int) -> None:
     from mla_autograd._build import load_family
     ext = load_family("mla_decode_sm80")
@@ -236,6 +281,11 @@ def run_decode(B: int, S: int, H: int) -> None:
     print(f"decode B={B} S={S} H={H}: stream {te * 1e3:.1f} us ({gb / te * 1e3:.0f} GB/s), CUDA graph "
           f"{tg * 1e3:.1f} us ({gb / tg * 1e3:.0f} GB/s)")
     kernel_table("decode", fn, iters=20)
+    flushed_timeline(f"decode B={B} S={S} H={H}", fn)
+    sched = ext.decode_schedule(lens, 1, H)
+    fs = lambda: ext.decode(qn, qp, buf[..., :512], buf[..., 512:], table, lens, out, lse, 192 ** -0.5, False,  # noqa: E731
+                            schedule=sched)
+    flushed_timeline(f"decode B={B} S={S} H={H}, precomputed schedule", fs)
 
 
 def run_layer() -> None:

@@ -285,7 +285,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   // orders it, or the caller's event does when it came from another stream), so it is complete when read.
   mds::launch_decode(p, m_tile, bf16, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  mds::launch_combine(p, bf16, stream);
+  mds::launch_combine(p, bf16, prop.sms, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

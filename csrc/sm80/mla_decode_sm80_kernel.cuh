@@ -285,13 +285,13 @@ struct RowLoader {
 };
 
 // The Q tile: rows (token, head) row0 .. row0 + M_TILE - 1 of request b into sQ (swizzled, 576 dims), zero past
-// Sq * H; cp.async by all kThreads threads, not committed.
-template <typename Elem, int M_TILE>
+// Sq * H; cp.async by NTHREADS threads (tid in [0, NTHREADS)), not committed.
+template <typename Elem, int M_TILE, int NTHREADS = kThreads>
 __device__ __forceinline__ void load_q_tile(const DecodeParams& p, int b, int row0, uint32_t sQ_a, int tid) {
   const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
   const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
   const int rows_total = p.Sq * p.H;
-  for (int idx = tid; idx < M_TILE * 72; idx += kThreads) {
+  for (int idx = tid; idx < M_TILE * 72; idx += NTHREADS) {
     const int r = idx / 72, c = idx % 72;
     const int grow = row0 + r;
     const bool ok = grow < rows_total;

@@ -61,7 +61,7 @@ struct DecodeParams {
 // Host launchers (defined in the .cu files).
 void launch_metadata(const DecodeParams& p, cudaStream_t stream);
 void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
-void launch_combine(const DecodeParams& p, bool is_bf16, cudaStream_t stream);
+void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream);
 int max_stages_for(int m_tile, int smem_optin);
 int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);

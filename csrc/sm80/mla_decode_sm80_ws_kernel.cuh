@@ -114,35 +114,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     // (kPageRing = 2 kMaxStages tiles) holds tiles j+S-1 .. j+D, S of them.
     const int D = 2 * stages - 2;
 
+    // The Q tile goes by cp.async (in the first commit group, with KV tile 0) into KV stage S-1, which the
+    // prologue leaves free until iteration 0 issues tile S-1 after its hand-off; the QK warps take their
+    // fragments from it by ldmatrix before that. Why not plain loads into registers: with 36 scattered 4-byte
+    // loads per thread the Q fragments landed 6.9 us after the CTA started (median, %globaltimer stamps on the
+    // H200 at B=4, S=32768; page ids at 1.4 us), and KV tile 0 waited for them; as one cp.async tile, Q and
+    // tile 0 land at 5.0 us, and that call's main kernel went from 55.6 to 52.1 us.
+    const uint32_t sQ_a = sKV_a + (stages - 1) * kTileBytes;
+    static_assert(M_TILE <= kBlockN, "the Q tile fits one KV stage");
+    load_q_tile<Elem, M_TILE, Cfg::kQKThreads>(p, b, row0, sQ_a, tid);
     // page ids of tiles [0, D) with plain loads; later tiles arrive by cp.async
     stage_page_ids(p, w, sPage, D, tid, Cfg::kQKThreads);
 
-    // Q fragments (A operand of m16n8k16: rows g and g+8, columns 2*q4 + {0, 1, 8, 9} of each k-step) of
-    // this warp's 144-dim slice; rows past Sq*H are zero.
-    uint32_t qf[MT][KS][4];
-    {
-      const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
-      const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
-      auto q_pair = [&](int grow, int col) -> uint32_t {
-        if (grow >= rows_total) return 0u;
-        const int t = grow / p.H, h = grow - t * p.H;
-        const Elem* src = col < kDimCkv
-            ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + col
-            : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (col - kDimCkv);
-        return __ldg(reinterpret_cast<const unsigned int*>(src));
-      };
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const int r = row0 + mt * 16 + g;
-          const int col = warp * Cfg::kKSlice + ks * 16 + 2 * q4;
-          qf[mt][ks][0] = q_pair(r, col);
-          qf[mt][ks][1] = q_pair(r + 8, col);
-          qf[mt][ks][2] = q_pair(r, col + 8);
-          qf[mt][ks][3] = q_pair(r + 8, col + 8);
-        }
-    }
     qk_sync();  // prologue page ids visible
 
     // KV tile loader (128 threads): warp w takes rows w, w+4, ..., each as two 512-byte ckv halves (a
@@ -207,6 +190,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     // chunk 18 * warp + 2 * ks + bit3; the swizzle depends on row % 8 = lane % 8 only.
     const int krow = (lane & 7) + ((lane >> 4) & 1) * 8;
     const int kcol = warp * Cfg::kKSlice + ((lane >> 3) & 1) * 8;
+
+    // Q fragments (A operand of m16n8k16: rows g and g+8, columns 2*q4 + {0, 1, 8, 9} of each k-step) of
+    // this warp's 144-dim slice, from the Q tile (rows past Sq*H are zero)
+    uint32_t qf[MT][KS][4];
+    cp_async_wait_dyn(stages - 2);
+    qk_sync();  // the Q tile (first commit group) landed for all QK threads
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        ldsm_x4(sQ_a + swz(mt * 16 + (lane & 15), warp * Cfg::kKSlice + ks * 16 + (lane >> 4) * 8), qf[mt][ks]);
 
     for (int j = 0; j < n_tiles; ++j) {
       cp_async_wait_dyn(stages - 2);

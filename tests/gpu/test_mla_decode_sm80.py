@@ -198,6 +198,30 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
               causal=True, seed=11)
 
 
+def test_decode_merge_loops_over_rows(ext):
+    # The merge grid is capped at two CTAs per SM, each looping over rows c, c + G, ... in rounds of 128.
+    # Forced splits over 70 x 4 x 128 = 35,840 rows: more than 128 rows per CTA on any GPU up to 140 SMs, so
+    # CTAs run a second round of rows.
+    g = torch.Generator().manual_seed(23)
+    lens = torch.randint(0, 300, (70,), generator=g).tolist()
+    lens[3], lens[40] = 0, 1
+    _run_case(ext, lens=lens, H=128, Sq=4, page_size=16, dtype=torch.bfloat16, fused=True, causal=True,
+              splits=2, seed=23)
+
+
+def test_decode_merge_mixed_split_and_whole_requests(ext):
+    # The device scheduler splits only the three long requests among 200 short ones: a merge CTA's rows mix
+    # split requests (merged) with whole ones (written by the main kernel, left untouched).
+    g = torch.Generator().manual_seed(29)
+    lens = torch.randint(0, 65, (200,), generator=g).tolist()
+    for i in (7, 111, 199):
+        lens[i] = 30000
+    sched = ext.decode_schedule(torch.tensor(lens, dtype=torch.int32, device=DEV), 1, 16)
+    splits = sched[-2 * len(lens):].view(-1, 2)[:, 1].cpu()  # reqs[B][2] = (first item, splits) end the schedule
+    assert (splits[[7, 111, 199]] > 1).all() and (splits.max() > 1) and (splits == 1).sum() >= 190, splits
+    _run_case(ext, lens=lens, H=16, Sq=1, page_size=64, dtype=torch.bfloat16, fused=True, causal=False, seed=29)
+
+
 @pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
                                   (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1),
                                   (4, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0),
