@@ -85,10 +85,12 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   ls.num_mblocks = int((ls.rows + m_tile - 1) / m_tile);
   // All-warps kernel, 16/32-row tiles: two CTAs per SM when two fit (each with 2 stages); else one CTA with
   // the most stages.
-  int ctas = 1, stages = mds::max_stages_for(m_tile, prop.smem_optin);
+  // The main kernels' static shared memory (work_item's inline-schedule slot) comes out of the same budget.
+  const int dyn_optin = prop.smem_optin - mds::kStaticSmemBytes;
+  int ctas = 1, stages = mds::max_stages_for(m_tile, dyn_optin);
   const int want_ctas = g_tune_ctas > 0 ? g_tune_ctas : (m_tile <= 32 ? 2 : 1);
   if (want_ctas >= 2 && m_tile <= 32) {
-    const int per_cta = (prop.smem_per_sm / 2) - 1024;  // 1 KB per CTA reserved by the runtime
+    const int per_cta = (prop.smem_per_sm / 2) - 1024 - mds::kStaticSmemBytes;  // 1 KB per CTA reserved by the runtime
     const int s2 = mds::max_stages_for(m_tile, per_cta);
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
   }
@@ -99,9 +101,9 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   if (m_tile == 64 && g_tune_wide != 0) {
     const bool want = g_tune_wide >= 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
     if (want && (g_tune_wide == 3 || g_tune_wide < 0)) {
-      if (mds::GroupsConfig::smem_bytes() <= prop.smem_optin) { ls.wide = 3; stages = mds::GroupsConfig::kStages; }
+      if (mds::GroupsConfig::smem_bytes() <= dyn_optin) { ls.wide = 3; stages = mds::GroupsConfig::kStages; }
     } else if (want) {
-      const int wide_stages = mds::wide_stages_for(prop.smem_optin);
+      const int wide_stages = mds::wide_stages_for(dyn_optin);
       if (wide_stages >= mds::kMinStages) { ls.wide = g_tune_wide; stages = wide_stages; }
     }
   }
@@ -109,7 +111,7 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   ls.stages = stages;
   // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
   // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
-  const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, prop.smem_optin) : 0;
+  const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, dyn_optin) : 0;
   ls.ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && g_tune_ws != 0;
   if (ls.ws) {
     ls.ws_stages = g_tune_stages > 0 ? std::max(mds::WsTileConfig<16>::kMinStages, std::min(ws_stages, g_tune_stages))
@@ -272,7 +274,10 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.causal = causal;
 
   const bool bf16 = dt == at::kBFloat16;
-  if (!schedule.has_value()) {
+  // No schedule given: small batches schedule inline (each main-kernel CTA finds its own item, the same one the
+  // metadata kernel would write); larger ones run the metadata kernel first.
+  p.sched_inline = !schedule.has_value() && B <= mds::kInlineScheduleMaxBatch ? 1 : 0;
+  if (!schedule.has_value() && !p.sched_inline) {
     mds::launch_metadata(p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -345,6 +350,7 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
   p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + ls.num_items * 4;
   p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;
   p.force_splits = int(num_splits);
+  p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
   mds::launch_metadata(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sched;

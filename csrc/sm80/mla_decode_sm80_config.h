@@ -9,6 +9,12 @@ constexpr int kDimQK = kDimCkv + kDimKpe;  // 576
 constexpr int kThreads = 256;              // 8 warps per CTA
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlockN = 32;                // KV tokens per pipeline stage
+// Largest batch whose main-kernel CTAs derive their split-KV items inline, with no metadata kernel (a warp of
+// each CTA reads all B lengths; mla_decode_sm80_schedule.h).
+constexpr int kInlineScheduleMaxBatch = 256;
+// Static shared memory of every main kernel (work_item's 16-byte inline-schedule slot, which the 128-byte
+// alignment of the dynamic region rounds up; ptxas -v): the host subtracts it from the per-block budget.
+constexpr int kStaticSmemBytes = 128;
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 5;              // cp.async stages (chosen at run time by the smem the device offers)
 constexpr int kPageRing = 2 * kMaxStages;  // tiles of page ids staged in smem ahead of the loads

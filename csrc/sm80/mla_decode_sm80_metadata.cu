@@ -1,15 +1,12 @@
 // Split-KV scheduling metadata computed on the device (no host sync, CUDA-graph capturable), plus the
-// host-side dispatch of the main kernel.
-//
-// Work of request b: x_b = ceil(L_b / kBlockN) tiles. Budget per part T = max(ceil(sum x_b / num_parts),
-// min_tiles). Request b gets s_b = clamp(round(x_b / T), 1, max(x_b, 1)) splits (sum s_b <= num_parts + B =
-// num_items, so the grid is fixed by shapes), split j covering tiles [j x_b / s_b, (j+1) x_b / s_b).
+// host-side dispatch of the main kernel. The split rule is in mla_decode_sm80_schedule.h.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
+#include "sm80/mla_decode_sm80_schedule.h"
 
 namespace mla_decode_sm80 {
 
@@ -23,58 +20,76 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ long long s_budget;
+  // B <= kMetaThreads: request b's first item and split count, so that the items are written one per thread
+  __shared__ int s_base[kMetaThreads], s_splits[kMetaThreads];
 
   allow_dependent_launch();  // the main kernel's CTAs may take their SMs now and wait for this schedule
+  grid_dependency_wait();    // (PDL) the lengths may come from the previous kernel; the schedule's old readers
   const int tid = threadIdx.x;
   const int per = (p.B + kMetaThreads - 1) / kMetaThreads;
   const int b0 = tid * per, b1 = min(p.B, b0 + per);
 
   long long w = 0;
-  for (int b = b0; b < b1; ++b) w += (max(p.seqlens[b], 0) + kBlockN - 1) / kBlockN;
+  for (int b = b0; b < b1; ++b) w += tiles_of(p.seqlens[b]);
   const long long total = Reduce(tmp.reduce).Sum(w);
-  if (tid == 0) {
-    long long t = (total + p.num_parts - 1) / p.num_parts;
-    s_budget = t < p.min_tiles ? p.min_tiles : t;
-  }
+  if (tid == 0) s_budget = split_budget(total, p.num_parts, p.min_tiles);
   __syncthreads();
   const long long T = s_budget;
 
-  auto splits_of = [&](int x) -> int {
-    int s;
-    if (p.force_splits > 0) s = p.force_splits;
-    else s = int((x + T / 2) / T);
-    s = min(s, max(x, 1));
-    return max(s, 1);
-  };
   int my = 0;
-  for (int b = b0; b < b1; ++b) my += splits_of((max(p.seqlens[b], 0) + kBlockN - 1) / kBlockN);
+  for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, p.force_splits);
   int base = 0, used = 0;
   Scan(tmp.scan).ExclusiveSum(my, base, used);
 
-  for (int b = b0; b < b1; ++b) {
-    const int L = max(p.seqlens[b], 0);
-    const int x = (L + kBlockN - 1) / kBlockN;
-    const int s = splits_of(x);
-    p.sched_reqs[b * 2 + 0] = base;
-    p.sched_reqs[b * 2 + 1] = s;
-    // split j covers tiles [floor(j x / s), floor((j+1) x / s)): the floor is carried as quotient q plus a
-    // running remainder, so the loop has no division (one thread writes all of a request's splits: with two
-    // 64-bit divisions per split the kernel took 9 us for 4 requests of 32 splits on the H200, now 4 us)
-    const int q = x / s, r = x % s;
-    int tb = 0, rem = 0;
-    for (int j = 0; j < s; ++j) {
-      const int it = base + j;
-      if (it >= p.num_items) break;  // cannot happen when num_items is sized as documented
-      int te = tb + q;
-      rem += r;
-      if (rem >= s) { rem -= s; ++te; }
-      p.sched_items[it * 4 + 0] = b;
-      p.sched_items[it * 4 + 1] = j;
-      p.sched_items[it * 4 + 2] = tb * kBlockN;
-      p.sched_items[it * 4 + 3] = min(te * kBlockN, L);
-      tb = te;
+  auto write_item = [&](int it, int b, int j, int tb, int te, int L) {
+    p.sched_items[it * 4 + 0] = b;
+    p.sched_items[it * 4 + 1] = j;
+    p.sched_items[it * 4 + 2] = tb * kBlockN;
+    p.sched_items[it * 4 + 3] = min(te * kBlockN, L);
+  };
+  if (p.B <= kMetaThreads) {
+    // One request per thread; then one item per thread, its request found by binary search over the first
+    // items (a thread writing all splits of its request took 1.2 us more for B=4 x 32 splits on the H200).
+    if (tid < p.B) {
+      s_base[tid] = base;
+      s_splits[tid] = my;
+      p.sched_reqs[tid * 2 + 0] = base;
+      p.sched_reqs[tid * 2 + 1] = my;
     }
-    base += s;
+    __syncthreads();
+    for (int it = tid; it < used && it < p.num_items; it += kMetaThreads) {
+      int lo = 0, hi = p.B - 1;  // the last b with s_base[b] <= it (every request has >= 1 split)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_base[mid] <= it) lo = mid;
+        else hi = mid - 1;
+      }
+      const int b = lo, j = it - s_base[b], sp = s_splits[b];
+      const int L = max(p.seqlens[b], 0), x = tiles_of(L);
+      write_item(it, b, j, split_first_tile(j, x, sp), split_first_tile(j + 1, x, sp), L);
+    }
+  } else {  // several requests per thread, each writing its requests' items
+    for (int b = b0; b < b1; ++b) {
+      const int L = max(p.seqlens[b], 0);
+      const int x = tiles_of(L);
+      const int s = splits_of(x, T, p.force_splits);
+      p.sched_reqs[b * 2 + 0] = base;
+      p.sched_reqs[b * 2 + 1] = s;
+      // the floors are carried as quotient q plus a running remainder, so the loop has no division (with two
+      // 64-bit divisions per split, one thread writing 32 splits had taken 9 us on the H200)
+      const int q = x / s, r = x % s;
+      int tb = 0, rem = 0;
+      for (int j = 0; j < s; ++j) {
+        const int it = base + j;
+        if (it >= p.num_items) break;  // cannot happen when num_items is sized as documented
+        int te = tb + q;
+        rem += r;
+        if (rem >= s) { rem -= s; ++te; }
+        write_item(it, b, j, tb, te, L);
+        tb = te;
+      }
+      base += s;
+    }
   }
   for (int it = used + tid; it < p.num_items; it += kMetaThreads) {
     p.sched_items[it * 4 + 0] = -1;
@@ -84,8 +99,10 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   }
 }
 
+// A programmatic dependent (p.pdl) like the main and merge kernels: launched plainly after a kernel it starts
+// about 2 us after that kernel's end on the H200, as a dependent at once.
 void launch_metadata(const DecodeParams& p, cudaStream_t stream) {
-  mla_decode_metadata_kernel<<<1, kMetaThreads, 0, stream>>>(p);
+  launch_dependent(mla_decode_metadata_kernel, dim3(1), kMetaThreads, 0, stream, p);
 }
 
 void launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream);

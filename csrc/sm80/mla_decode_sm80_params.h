@@ -56,6 +56,10 @@ struct DecodeParams {
   // per step, all eight warps compute S) with its QK warps splitting the contraction (1) or not (2), the
   // row-group kernel (3: GroupsConfig, mla_decode_groups_kernel), or the 32-token kernel of qk_narrow (0).
   int wide;
+  // 1: no schedule was given and B <= kInlineScheduleMaxBatch: each main-kernel CTA derives its item from the
+  // lengths (work_item) and no metadata kernel runs; sched_items is then not written, sched_reqs is (by the main
+  // kernel, for the merge kernel).
+  int sched_inline;
 };
 
 // Host launchers (defined in the .cu files).

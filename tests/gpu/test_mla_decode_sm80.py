@@ -209,16 +209,18 @@ def test_decode_merge_loops_over_rows(ext):
               splits=2, seed=23)
 
 
-def test_decode_merge_mixed_split_and_whole_requests(ext):
-    # The device scheduler splits only the three long requests among 200 short ones: a merge CTA's rows mix
-    # split requests (merged) with whole ones (written by the main kernel, left untouched).
+@pytest.mark.parametrize("B", [200, 300], ids=["inline_schedule", "metadata_kernel"])
+def test_decode_merge_mixed_split_and_whole_requests(ext, B):
+    # The device scheduler splits only the three long requests among short ones: a merge CTA's rows mix split
+    # requests (merged) with whole ones (written by the main kernel, left untouched). decode() without a
+    # schedule: B <= 256 schedules inline in the main kernel, B > 256 runs the metadata kernel first.
     g = torch.Generator().manual_seed(29)
-    lens = torch.randint(0, 65, (200,), generator=g).tolist()
+    lens = torch.randint(0, 65, (B,), generator=g).tolist()
     for i in (7, 111, 199):
         lens[i] = 30000
     sched = ext.decode_schedule(torch.tensor(lens, dtype=torch.int32, device=DEV), 1, 16)
     splits = sched[-2 * len(lens):].view(-1, 2)[:, 1].cpu()  # reqs[B][2] = (first item, splits) end the schedule
-    assert (splits[[7, 111, 199]] > 1).all() and (splits.max() > 1) and (splits == 1).sum() >= 190, splits
+    assert (splits[[7, 111, 199]] > 1).all() and (splits == 1).sum() >= B - 10, splits
     _run_case(ext, lens=lens, H=16, Sq=1, page_size=64, dtype=torch.bfloat16, fused=True, causal=False, seed=29)
 
 
@@ -425,6 +427,38 @@ def test_decode_schedule_cuda_graph(ext, inside):
 
     _replay_and_check(_capture(step), ([3, 0, 299, 17], [4097, 1000, 300, 64], [4000, 999, 1, 64], [0, 0, 0, 0]),
                       q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, None if inside else plan_outside)
+
+
+@pytest.mark.parametrize("B,splits", [(4, 0), (200, 0), (256, 0), (300, 0), (1000, 0), (37, 5)])
+def test_decode_schedule_items_cover_every_request(ext, B, splits):
+    # The schedule itself (decode_schedule, the metadata kernel; B <= 256 and B > 256 write the items on
+    # different paths): request b's splits are items first .. first + n - 1, in order, each (b, j, begin, end)
+    # with 32-token-aligned begins, together covering [0, L) once, sizes within one 32-token tile of each
+    # other; the items past the last used one are (-1, 0, 0, 0).
+    g = torch.Generator().manual_seed(B + splits)
+    lens = torch.randint(0, 3000, (B,), generator=g)
+    lens[0], lens[-1] = 0, 40000
+    lens[B // 2] = 1
+    sched = ext.decode_schedule(lens.to(torch.int32).to(DEV), 1, 16, splits).cpu()
+    num_items = (sched.numel() - 2 * B) // 4
+    items, reqs = sched[: num_items * 4].view(-1, 4), sched[num_items * 4:].view(-1, 2)
+    nxt = 0
+    for b in range(B):
+        first, n = reqs[b].tolist()
+        L = int(lens[b])
+        assert first == nxt and n >= 1, (b, first, n, nxt)
+        if splits and L >= 32 * splits:
+            assert n == splits, (b, n)
+        got = items[first:first + n].tolist()
+        assert [r[:2] for r in got] == [[b, j] for j in range(n)], (b, got)
+        bounds = [r[2:] for r in got]
+        assert bounds[0][0] == 0 and bounds[-1][1] == L, (b, L, bounds)
+        assert all(bounds[j][1] == bounds[j + 1][0] for j in range(n - 1)), (b, bounds)
+        assert all(lo % 32 == 0 and hi > lo for lo, hi in bounds) or L == 0, (b, bounds)
+        tiles = [-(-hi // 32) - lo // 32 for lo, hi in bounds]
+        assert max(tiles) - min(tiles) <= 1, (b, tiles)
+        nxt += n
+    assert (items[nxt:] == torch.tensor([-1, 0, 0, 0], dtype=torch.int32)).all()
 
 
 def test_decode_schedule_fake_size_is_real_size(ext):
