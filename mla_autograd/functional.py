@@ -102,9 +102,10 @@ def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> 
     """Plan the split-KV work of `decode` once per decode step (as FlashMLA's get_mla_metadata).
 
     Every layer of a decode step calls `decode` with the same cache_seqlens; by default each call first
-    runs a small scheduling kernel that splits the requests' KV ranges over the SMs. Compute that schedule
-    once here and pass it to every layer's ``decode(..., schedule=...)``: the layers then skip it (one
-    kernel launch less each) with bit-identical results.
+    splits the requests' KV ranges over the SMs: for up to 256 requests inside the main kernel (each of its
+    CTAs reads all B lengths to find its own share), for more with a small scheduling kernel. Compute that
+    schedule once here (one small kernel) and pass it to every layer's ``decode(..., schedule=...)``: the
+    layers then skip that work, with bit-identical results.
 
     Args:
         cache_seqlens: int32 (B,) on the decode's device, tokens in the cache per request (the Sq new

@@ -140,9 +140,10 @@ struct WorkItem {
 // The inline schedule (p.sched_inline): warp 0 of the CTA applies the split rule (schedule.h) to all B lengths and
 // finds the request and split of `item`, as the metadata kernel would have written them, into s_item = (b or -1,
 // kv_begin, kv_end, splits). The CTA of split 0 (m-block 0) writes the request's (first item, splits) to
-// sched_reqs for the merge kernel. Why: without a precomputed schedule, the metadata kernel and the wait for its
-// completion cost 2.4 us per call at B=4, S=32768 on the H200; this costs the CTA about what reading its
-// item did (one round trip for the lengths, then a few hundred cycles).
+// sched_reqs for the merge kernel. Why: a call without a precomputed schedule paid for the metadata kernel and the
+// wait for its completion (at B=4, S=32768 on the H200, 57.7 us from the L2 flush to the merge's end against 55.3
+// with a schedule); bench_decode in one process each: such a call costs 1.1 us more than one with a schedule
+// (60.4 vs 59.3 us), 1.7 us with the metadata kernel; at B=128, H=16 1.7 us, 2.5 before.
 __device__ __forceinline__ void inline_schedule_item(const DecodeParams& p, int item, int (&s_item)[4]) {
   const int lane = threadIdx.x & 31;
   long long total = 0;
