@@ -24,7 +24,9 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   __shared__ int s_base[kMetaThreads], s_splits[kMetaThreads];
 
   allow_dependent_launch();  // the main kernel's CTAs may take their SMs now and wait for this schedule
-  grid_dependency_wait();    // (PDL) the lengths may come from the previous kernel; the schedule's old readers
+  // (PDL) before any read or write: the lengths may come from the previous kernel, and that kernel may still
+  // read the memory this schedule is written to
+  grid_dependency_wait();
   const int tid = threadIdx.x;
   const int per = (p.B + kMetaThreads - 1) / kMetaThreads;
   const int b0 = tid * per, b1 = min(p.B, b0 + per);
