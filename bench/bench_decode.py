@@ -147,6 +147,8 @@ def main(argv=None):
             dict(B=128, S=4096, H=16, page=16),
             dict(B=128, S=4096, H=16, page=64, Sq=2),
             dict(B=128, S=4096, H=16, page=64, dtype=torch.float16),
+            # 7 equal requests: 133 items on 132 SMs before the split rule rounded down (one CTA in a second wave)
+            dict(B=7, S=32768, H=16, page=64),
         ]
     if args.sweep:
         # all-warps kernel at 2 CTAs/SM (the default before the warp-specialized one), the warp-specialized

@@ -9,11 +9,18 @@
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
+#include "sm80/mla_decode_sm80_schedule.h"
 
 namespace mla_decode_sm80 {
 
-constexpr int kCombineThreads = kDimCkv / 4;  // 128: 4 output dims per thread
-constexpr int kCombineCtasPerSm = 2;          // grid cap per SM: 194-232 registers leave room for two CTAs
+// One warp per CTA, each merging a slice of kCombineSliceDims output dims of a row: a row's merge is latency-bound
+// (a few KB per split, from L2), and a 128-thread CTA per row put all of a row's bytes on one SM (B=4, H=16: 64 rows
+// on 64 of the 132 SMs); four slices of a row go to four CTAs.
+constexpr int kCombineThreads = 32;
+constexpr int kCombineSliceDims = 128;                        // 4 output dims per lane
+constexpr int kCombineSlices = kDimCkv / kCombineSliceDims;   // 4 per row
+constexpr int kCombineCtasPerSm = 8;                          // grid cap per SM
+constexpr int kCombineInFlight = 32;                          // splits whose partial rows are loaded at once
 
 template <typename Elem> __device__ __forceinline__ void store4(Elem* dst, float a, float b, float c, float d);
 template <> __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b, float c, float d) {
@@ -31,111 +38,108 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a,
   *reinterpret_cast<uint2*>(dst) = v;
 }
 
-// The merge of one row (request b, row grow = token * H + head) by the CTA's 128 threads; thread i owns output
-// dims 4i..4i+3, so each split's partial row (2 KB) is read fully coalesced. A row's merge is latency-bound (a
-// few KB, from L2), so it is written for few dependent round trips: the split LSEs are read in parallel (one
-// per thread) and reduced through shuffles, their weights go through shared memory, and the partial rows are
-// read 32 splits at a time, so up to 32 splits (B=4 on 132 SMs: 32) take one round trip (an earlier version
-// read the LSEs in a serial loop and 8 rows at a time: ~5 us for 32 splits).
-constexpr int kCombineChunk = kCombineThreads;  // splits whose weights are staged in smem at a time
-constexpr int kCombineInFlight = 32;            // partial rows loaded before the first is used
-
-struct CombineSmem {
-  float w[kCombineChunk];                // the current chunk's split weights
-  float max[kCombineThreads / 32];       // per-warp LSE maxima
-  unsigned todo[kCombineThreads / 32];   // which of the CTA's next 128 rows belong to split requests
-};
-
+// The merge of output dims [kCombineSliceDims q, +kCombineSliceDims) of one row (request b, row grow = token * H +
+// head) over its ns splits (items first .. first + ns - 1) by one warp; lane i owns 4 consecutive dims, so each
+// split's slice (512 B) is read coalesced. Written for few dependent round trips after the PDL wait: per 32 splits
+// the LSEs (one per lane) and the partial rows are loaded together; then the warp's LSE maximum, each lane's split
+// weight, and the weighted sum with the weights broadcast by shuffles. More than 32 splits rescale the running sum
+// per group of 32 (online, as in the kernels' softmax).
 template <typename Elem>
-__device__ __forceinline__ void merge_row(const DecodeParams& p, CombineSmem& sm, int b, int grow, int first, int ns) {
-  const int tid = threadIdx.x;
+__device__ __forceinline__ void merge_slice(const DecodeParams& p, int b, int grow, int q, int first, int ns) {
+  const int lane = threadIdx.x & 31;
   const int rows = p.Sq * p.H;
   const int t = grow / p.H, h = grow % p.H;
   const float* lse_p = p.ws_lse + (long long)first * rows + grow;
-  __syncthreads();  // the previous row's readers of sm.w / sm.max are done
-
-  // max of the split LSEs: thread i reads splits i, i + 128, ...; the first chunk's value is kept
-  const float lse0 = tid < ns ? __ldg(lse_p + (long long)tid * rows) : -INFINITY;
-  float m = lse0;
-  for (int j = tid + kCombineThreads; j < ns; j += kCombineThreads) m = fmaxf(m, __ldg(lse_p + (long long)j * rows));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((tid & 31) == 0) sm.max[tid >> 5] = m;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kCombineThreads / 32; ++w) m = fmaxf(m, sm.max[w]);
-
-  Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_stride_b + (long long)t * p.o_stride_s + (long long)h * p.o_stride_h;
-  float* lse_out = p.lse + (long long)b * p.lse_stride_b + (long long)h * p.lse_stride_h + t;
-  if (m == -INFINITY) {  // no split saw a key (m is the same in every thread: the branch is uniform)
-    store4<Elem>(out + tid * 4, 0.f, 0.f, 0.f, 0.f);
-    if (tid == 0) *lse_out = -INFINITY;
-    return;
-  }
-  float sum = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* src = reinterpret_cast<const float4*>(p.ws_o + ((long long)first * rows + grow) * kDimCkv) + tid;
+  const float4* src =
+      reinterpret_cast<const float4*>(p.ws_o + ((long long)first * rows + grow) * kDimCkv + q * kCombineSliceDims) + lane;
   const long long split_stride = (long long)rows * kDimCkv / 4;  // in float4
-  for (int c0 = 0; c0 < ns; c0 += kCombineChunk) {
-    const int n = min(kCombineChunk, ns - c0);
-    if (c0 > 0) __syncthreads();  // every thread is done with the previous chunk's weights
-    if (tid < n) sm.w[tid] = exp2f((c0 == 0 ? lse0 : __ldg(lse_p + (long long)(c0 + tid) * rows)) - m);
-    __syncthreads();
-    // kCombineInFlight partial rows per round trip. The last round re-reads row n-1 in place of the missing
-    // ones, with weight 0: unconditional loads and FMAs (before, a remainder ran one dependent load per split)
-    for (int j = 0; j < n; j += kCombineInFlight) {
-      float4 v[kCombineInFlight];
+
+  float m = -INFINITY, sum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0; c0 < ns; c0 += kCombineInFlight) {
+    const int n = min(kCombineInFlight, ns - c0);
+    const float l = lane < n ? __ldg(lse_p + (long long)(c0 + lane) * rows) : -INFINITY;
+    // past n: row n - 1 again, with weight 0 (unconditional loads and FMAs)
+    float4 v[kCombineInFlight];
 #pragma unroll
-      for (int u = 0; u < kCombineInFlight; ++u) v[u] = __ldg(src + (long long)(c0 + min(j + u, n - 1)) * split_stride);
+    for (int u = 0; u < kCombineInFlight; ++u) v[u] = __ldg(src + (long long)(c0 + min(u, n - 1)) * split_stride);
+    float cm = l;
 #pragma unroll
-      for (int u = 0; u < kCombineInFlight; ++u) {
-        const float w = j + u < n ? sm.w[j + u] : 0.f;
-        sum += w;
-        acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
-      }
+    for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
+    const float nm = fmaxf(m, cm);
+    if (nm == -INFINITY) continue;  // no split so far saw a key (uniform: nm is the same in every lane)
+    const float r = exp2f(m - nm);  // 0 while m is -inf
+    sum *= r;
+    acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
+    const float w = exp2f(l - nm);  // this lane's split; 0 for an empty split or past n
+#pragma unroll
+    for (int u = 0; u < kCombineInFlight; ++u) {
+      const float wu = __shfl_sync(0xffffffffu, w, u);
+      sum += wu;
+      acc.x += wu * v[u].x; acc.y += wu * v[u].y; acc.z += wu * v[u].z; acc.w += wu * v[u].w;
     }
+    m = nm;
+  }
+
+  Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_stride_b + (long long)t * p.o_stride_s +
+              (long long)h * p.o_stride_h + q * kCombineSliceDims + lane * 4;
+  float* lse_out = p.lse + (long long)b * p.lse_stride_b + (long long)h * p.lse_stride_h + t;
+  if (m == -INFINITY) {  // an all-empty row: out 0, lse -inf
+    store4<Elem>(out, 0.f, 0.f, 0.f, 0.f);
+    if (q == 0 && lane == 0) *lse_out = -INFINITY;
+    return;
   }
   // empty splits have w = 0 and a zero partial O; sum >= 1 since the max split contributes exp2(0)
   const float inv = 1.f / sum;
-  store4<Elem>(out + tid * 4, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-  if (tid == 0) *lse_out = (m + __log2f(sum)) * 0.6931471805599453f;
+  store4<Elem>(out, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  if (q == 0 && lane == 0) *lse_out = (m + __log2f(sum)) * 0.6931471805599453f;
 }
 
-// A grid of at most kCombineCtasPerSm CTAs per SM; CTA c owns rows c, c + G, c + 2G, ... of the B * Sq * H
-// (request, row) pairs. Requests with one split were written by the main kernel directly and are skipped: one
-// load per thread tells which of the CTA's next 128 rows need a merge. Why not one CTA per row: when nothing is
-// split (B=128, H=128: 16,384 rows) the launch of that many CTAs alone took 29 us after the main kernel ended
-// on the H200 (the CTAs cannot become resident before it ends: its shared memory fills the SM).
+// A grid of at most kCombineCtasPerSm one-warp CTAs per SM over the B * Sq * H * kCombineSlices (row, slice) units;
+// CTA c owns units c, c + G, c + 2G, ..., so a row's slices land on consecutive CTAs. Requests with one split were
+// written by the main kernel directly and are skipped: each lane looks up one unit's request, and a ballot says
+// which of the warp's next 32 units need a merge. Why not one CTA per row: when nothing is split (B=128, H=128:
+// 16,384 rows) the launch of that many CTAs alone took 29 us after the main kernel ended on the H200 (they cannot
+// become resident before it ends: its shared memory fills the SM).
+//
+// The split counts come from the precomputed schedule, or, with the inline schedule, from the split rule applied
+// to the lengths here (into shared memory). Both are read before the PDL wait: the main kernel lets this kernel
+// launch only after its own wait, so whatever wrote them has completed (work_item). After the wait, a unit costs
+// one round trip to L2 (its LSEs and partial rows together).
 template <typename Elem>
-__global__ void __launch_bounds__(kCombineThreads, 1) mla_decode_combine_kernel(const DecodeParams p) {
-  grid_dependency_wait();  // the main kernel's partial outputs and the schedule (PDL); before any read or write
-  __shared__ CombineSmem sm;
-  const int tid = threadIdx.x;
+__global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
+  __shared__ int2 s_req[kInlineScheduleMaxBatch];  // inline schedule: (first item, splits) per request
+  const int lane = threadIdx.x;
   const int rows = p.Sq * p.H;
-  const long long total = (long long)p.B * rows, G = gridDim.x;
-  for (long long base = blockIdx.x; base < total; base += G * kCombineThreads) {
-    const long long mine = base + tid * G;
-    int ns = 0;
-    if (mine < total) ns = p.sched_reqs[(mine / rows) * 2 + 1];
-    const unsigned todo = __ballot_sync(0xffffffffu, ns > 1);
-    if ((tid & 31) == 0) sm.todo[tid >> 5] = todo;
-    __syncthreads();
-#pragma unroll 1
-    for (int w = 0; w < kCombineThreads / 32; ++w) {
-      for (unsigned bits = sm.todo[w]; bits != 0; bits &= bits - 1) {
-        const long long idx = base + (long long)(w * 32 + __ffs(bits) - 1) * G;
-        const int b = int(idx / rows), grow = int(idx % rows);
-        merge_row<Elem>(p, sm, b, grow, p.sched_reqs[b * 2 + 0], p.sched_reqs[b * 2 + 1]);
-      }
+  const long long units = (long long)p.B * rows * kCombineSlices, G = gridDim.x;
+  if (p.sched_inline) {
+    warp_request_splits(
+        p, [&](int b, int first, int s, int) { s_req[b] = make_int2(first, s); }, [](int) { return true; });
+    __syncwarp();
+  }
+  auto lookup = [&](long long u) {
+    if (u >= units) return make_int2(0, 0);
+    const int b = int(u / kCombineSlices / rows);
+    return p.sched_inline ? s_req[b] : make_int2(__ldg(p.sched_reqs + 2 * b), __ldg(p.sched_reqs + 2 * b + 1));
+  };
+  int2 req = lookup(blockIdx.x + lane * G);  // the first round's, before the wait
+  // (PDL) before reading the partial outputs and before any write, in every CTA
+  grid_dependency_wait();
+  for (long long base = blockIdx.x; base < units; base += kCombineThreads * G) {
+    if (base != blockIdx.x) req = lookup(base + lane * G);
+    for (unsigned bits = __ballot_sync(0xffffffffu, req.y > 1); bits != 0; bits &= bits - 1) {
+      const int src = __ffs(bits) - 1;
+      const int first = __shfl_sync(0xffffffffu, req.x, src), ns = __shfl_sync(0xffffffffu, req.y, src);
+      const long long row = (base + src * G) / kCombineSlices;
+      merge_slice<Elem>(p, int(row / rows), int(row % rows), int((base + src * G) % kCombineSlices), first, ns);
     }
-    __syncthreads();  // every thread has read sm.todo before the next round rewrites it
   }
 }
 
 void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream) {
-  const long long rows = (long long)p.B * p.Sq * p.H;
-  if (rows == 0) return;
-  const unsigned blocks = unsigned(std::min<long long>(rows, (long long)num_sms * kCombineCtasPerSm));
+  const long long units = (long long)p.B * p.Sq * p.H * kCombineSlices;
+  if (units == 0) return;
+  const unsigned blocks = unsigned(std::min<long long>(units, (long long)num_sms * kCombineCtasPerSm));
   if (is_bf16) launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p);
   else launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
 }

@@ -139,39 +139,23 @@ struct WorkItem {
 };
 // The inline schedule (p.sched_inline): warp 0 of the CTA applies the split rule (schedule.h) to all B lengths and
 // finds the request and split of `item`, as the metadata kernel would have written them, into s_item = (b or -1,
-// kv_begin, kv_end, splits). The CTA of split 0 (m-block 0) writes the request's (first item, splits) to
-// sched_reqs for the merge kernel. Why: a call without a precomputed schedule paid for the metadata kernel and the
-// wait for its completion (at B=4, S=32768 on the H200, 57.7 us from the L2 flush to the merge's end against 55.3
-// with a schedule); bench_decode in one process each: such a call costs 1.1 us more than one with a schedule
-// (60.4 vs 59.3 us), 1.7 us with the metadata kernel; at B=128, H=16 1.7 us, 2.5 before.
+// kv_begin, kv_end, splits). The merge kernel derives the split counts it needs the same way. Why: a call without a
+// precomputed schedule paid for the metadata kernel and the wait for its completion (at B=4, S=32768 on the H200,
+// 57.7 us from the L2 flush to the merge's end against 55.3 with a schedule); bench_decode in one process each: such
+// a call costs 1.1 us more than one with a schedule (60.4 vs 59.3 us), 1.7 us with the metadata kernel; at B=128,
+// H=16 1.7 us, 2.5 before.
 __device__ __forceinline__ void inline_schedule_item(const DecodeParams& p, int item, int (&s_item)[4]) {
-  const int lane = threadIdx.x & 31;
-  long long total = 0;
-#pragma unroll 4
-  for (int b = lane; b < p.B; b += 32) total += tiles_of(__ldg(p.seqlens + b));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  const long long T = split_budget(total, p.num_parts, p.min_tiles);
-  int base = 0;  // first item of request c (uniform across the warp)
   bool mine = false;
   int my_b = 0, my_first = 0, my_s = 0, my_L = 0;
-  for (int c = 0; c < p.B && base <= item; c += 32) {
-    const int b = c + lane;
-    const int L = b < p.B ? max(__ldg(p.seqlens + b), 0) : 0;
-    const int s = b < p.B ? splits_of(tiles_of(L), T, p.force_splits) : 0;
-    int incl = s;  // inclusive scan of the splits over the warp's 32 requests
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    const int first = base + incl - s;
-    if (b < p.B && item >= first && item < first + s) {
-      mine = true;
-      my_b = b; my_first = first; my_s = s; my_L = L;
-    }
-    base += __shfl_sync(0xffffffffu, incl, 31);
-  }
+  warp_request_splits(
+      p,
+      [&](int b, int first, int s, int L) {
+        if (item >= first && item < first + s) {
+          mine = true;
+          my_b = b; my_first = first; my_s = s; my_L = L;
+        }
+      },
+      [&](int base) { return base <= item; });
   const bool found = __ballot_sync(0xffffffffu, mine) != 0;  // by every lane, before the lanes diverge
   if (mine) {  // at most one lane: the requests' item ranges do not overlap
     const int j = item - my_first, x = tiles_of(my_L);
@@ -179,21 +163,19 @@ __device__ __forceinline__ void inline_schedule_item(const DecodeParams& p, int 
     s_item[1] = split_first_tile(j, x, my_s) * kBlockN;
     s_item[2] = min(split_first_tile(j + 1, x, my_s) * kBlockN, my_L);
     s_item[3] = my_s;
-    if (j == 0 && blockIdx.x == 0) {
-      p.sched_reqs[my_b * 2 + 0] = my_first;
-      p.sched_reqs[my_b * 2 + 1] = my_s;
-    }
-  } else if (!found && lane == 0) {
+  } else if (!found && (threadIdx.x & 31) == 0) {
     s_item[0] = -1;  // past the last used item
   }
 }
 
 // It is the first thing each main-kernel CTA does (every thread, before any other shared-memory use), so it
-// also carries the PDL hand-off (launch.h): let the merge kernel launch, then wait for the previous kernel (the
-// metadata kernel's schedule, or the lengths) before reading anything.
+// also carries the PDL hand-off (launch.h): wait for the previous kernel (the metadata kernel's schedule, or the
+// lengths) before reading anything, then let the merge kernel launch. In that order, the merge kernel starts only
+// once every kernel before this one has completed, so it may read the lengths and a precomputed schedule before
+// its own wait.
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
-  allow_dependent_launch();
   grid_dependency_wait();
+  allow_dependent_launch();
   WorkItem w;
   if (p.sched_inline) {
     __shared__ int s_item[4];

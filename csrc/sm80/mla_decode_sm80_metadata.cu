@@ -39,9 +39,16 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   const long long T = s_budget;
 
   int my = 0;
-  for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, p.force_splits);
+  for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, p.force_splits, false);
   int base = 0, used = 0;
   Scan(tmp.scan).ExclusiveSum(my, base, used);
+  const bool down = splits_round_down(used, p.num_parts, p.B, p.force_splits);  // uniform: used is the block's sum
+  if (down) {
+    my = 0;
+    for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, 0, true);
+    __syncthreads();  // the first scan's temporary storage is free
+    Scan(tmp.scan).ExclusiveSum(my, base, used);
+  }
 
   auto write_item = [&](int it, int b, int j, int tb, int te, int L) {
     p.sched_items[it * 4 + 0] = b;
@@ -74,7 +81,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     for (int b = b0; b < b1; ++b) {
       const int L = max(p.seqlens[b], 0);
       const int x = tiles_of(L);
-      const int s = splits_of(x, T, p.force_splits);
+      const int s = splits_of(x, T, p.force_splits, down);
       p.sched_reqs[b * 2 + 0] = base;
       p.sched_reqs[b * 2 + 1] = s;
       // the floors are carried as quotient q plus a running remainder, so the loop has no division (with two

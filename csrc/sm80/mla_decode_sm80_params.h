@@ -57,8 +57,8 @@ struct DecodeParams {
   // row-group kernel (3: GroupsConfig, mla_decode_groups_kernel), or the 32-token kernel of qk_narrow (0).
   int wide;
   // 1: no schedule was given and B <= kInlineScheduleMaxBatch: each main-kernel CTA derives its item from the
-  // lengths (work_item) and no metadata kernel runs; sched_items is then not written, sched_reqs is (by the main
-  // kernel, for the merge kernel).
+  // lengths (work_item) and no metadata kernel runs; the merge kernel derives the split counts the same way.
+  // Neither sched_items nor sched_reqs is then read or written.
   int sched_inline;
 };
 

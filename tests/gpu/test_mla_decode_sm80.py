@@ -185,7 +185,7 @@ def test_decode_forced_splits(ext, splits, H, Sq):
 
 
 def test_decode_many_splits(ext):
-    # more splits than the merge kernel stages per chunk (128): its chunked path; a 13000-token request in
+    # more splits than the merge kernel loads at once (32): its online rescale over ten groups; a 13000-token request in
     # 300 splits of ~43 tokens, beside short and empty ones
     _run_case(ext, lens=[13000, 5, 0, 4097], H=16, Sq=1, page_size=64, dtype=torch.bfloat16, fused=True,
               causal=False, splits=300, seed=17)
@@ -199,9 +199,9 @@ def test_decode_auto_split_small_batch(ext, H, Sq):
 
 
 def test_decode_merge_loops_over_rows(ext):
-    # The merge grid is capped at two CTAs per SM, each looping over rows c, c + G, ... in rounds of 128.
-    # Forced splits over 70 x 4 x 128 = 35,840 rows: more than 128 rows per CTA on any GPU up to 140 SMs, so
-    # CTAs run a second round of rows.
+    # The merge grid is capped at eight one-warp CTAs per SM, each looping over (row, 128-dim slice) units
+    # c, c + G, ... in rounds of 32. Forced splits over 70 x 4 x 128 = 35,840 rows, 143,360 units: at least 128
+    # units per CTA on any GPU up to 140 SMs, so CTAs run four rounds or more.
     g = torch.Generator().manual_seed(23)
     lens = torch.randint(0, 300, (70,), generator=g).tolist()
     lens[3], lens[40] = 0, 1
@@ -459,6 +459,21 @@ def test_decode_schedule_items_cover_every_request(ext, B, splits):
         assert max(tiles) - min(tiles) <= 1, (b, tiles)
         nxt += n
     assert (items[nxt:] == torch.tensor([-1, 0, 0, 0], dtype=torch.int32)).all()
+
+
+@pytest.mark.parametrize("B", [1, 4, 7, 8, 33])
+def test_decode_schedule_fills_one_wave(ext, B):
+    # Equal long requests: the split rule's counts, round(x / T), are rounded down when they would need more than
+    # num_parts items, so the used items never exceed num_parts (one wave of CTAs); they still fill most of it.
+    # Before: 7 x 1024 tiles on 132 SMs gave 19 splits each, 133 items, one CTA in a second wave.
+    lens = torch.full((B,), 32768, dtype=torch.int32, device=DEV)
+    sched = ext.decode_schedule(lens, 1, 16).cpu()
+    num_items = (sched.numel() - 2 * B) // 4
+    num_parts = num_items - B  # num_items = B + num_parts without forced splits
+    splits = sched[num_items * 4:].view(-1, 2)[:, 1]
+    used = int(splits.sum())
+    assert 0.9 * num_parts <= used <= num_parts, (used, num_parts)
+    assert (splits == splits[0]).all(), splits
 
 
 def test_decode_schedule_fake_size_is_real_size(ext):
