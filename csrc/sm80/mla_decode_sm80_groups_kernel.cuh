@@ -257,11 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 
 template <typename Elem>
 void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_groups_kernel<Elem>;
-  const int smem = GroupsConfig::smem_bytes();
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
-  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
+  launch_main_kernel(mla_decode_groups_kernel<Elem>, GroupsConfig::smem_bytes(), stream, p);
 }
 
 }  // namespace mla_decode_sm80

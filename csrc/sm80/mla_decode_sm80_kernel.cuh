@@ -788,25 +788,8 @@ namespace mla_decode_sm80 {
 
 template <typename Elem, int M_TILE, bool NARROW, int BN = kBlockN, bool KSPLIT = false>
 void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<Elem, M_TILE, NARROW, BN, KSPLIT>;
-  const int smem = TileConfig<M_TILE, NARROW, BN>::smem_bytes(p.stages);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
-  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
-}
-
-template <typename Elem>
-void launch_decode_typed(const DecodeParams& p, int m_tile, cudaStream_t stream) {
-  switch (m_tile) {
-    case 16: launch_decode_tile<Elem, 16, false>(p, stream); break;
-    case 32: launch_decode_tile<Elem, 32, false>(p, stream); break;
-    default:
-      if (p.wide == 1) launch_decode_tile<Elem, 64, false, 2 * kBlockN, true>(p, stream);
-      else if (p.wide == 2) launch_decode_tile<Elem, 64, false, 2 * kBlockN, false>(p, stream);
-      else if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
-      else launch_decode_tile<Elem, 64, false>(p, stream);
-      break;
-  }
+  launch_main_kernel(mla_decode_kernel<Elem, M_TILE, NARROW, BN, KSPLIT>, TileConfig<M_TILE, NARROW, BN>::smem_bytes(p.stages),
+                     stream, p);
 }
 
 }  // namespace mla_decode_sm80

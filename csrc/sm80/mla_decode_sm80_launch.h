@@ -14,6 +14,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
 
 namespace mla_decode_sm80 {
@@ -46,6 +47,14 @@ inline void launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cu
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
   (void)cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// Launch a main kernel over the (m-block, item) grid with `smem` bytes of dynamic shared memory (every variant
+// asks for more than the 48 KB default, so the attribute is set before each launch).
+template <typename Kernel>
+inline void launch_main_kernel(Kernel kernel, int smem, cudaStream_t stream, const DecodeParams& p) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return;
+  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
 }
 
 }  // namespace mla_decode_sm80

@@ -367,30 +367,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 template <typename Elem, int M_TILE>
 void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = p.qk_mbar ? mla_decode_ws_kernel<Elem, M_TILE, true> : mla_decode_ws_kernel<Elem, M_TILE, false>;
-  const int smem = WsTileConfig<M_TILE>::smem_bytes(p.stages);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return;  // reported by the caller's cudaGetLastError()
-  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
+  launch_main_kernel(kernel, WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80
 
 namespace mla_decode_sm80 {
 
-// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), the row-group kernel
-// for wide = 3, else the all-warps kernel.
+// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the all-warps kernel
+// for 16/32-row tiles, and for 64-row tiles the row-group kernel (wide = 3), the wide kernel (1: split
+// contraction, 2: not), the NARROW 32-token kernel or the 8-QK-warp one.
 template <typename Elem>
 void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
   if (p.ws) {
     if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
     else launch_decode_ws_tile<Elem, 32>(p, stream);
-    return;
-  }
-  if (m_tile == 64 && p.wide == 3) {
-    launch_decode_groups<Elem>(p, stream);
-    return;
-  }
-  launch_decode_typed<Elem>(p, m_tile, stream);
+  } else if (m_tile == 16) launch_decode_tile<Elem, 16, false>(p, stream);
+  else if (m_tile == 32) launch_decode_tile<Elem, 32, false>(p, stream);
+  else if (p.wide == 3) launch_decode_groups<Elem>(p, stream);
+  else if (p.wide == 1) launch_decode_tile<Elem, 64, false, 2 * kBlockN, true>(p, stream);
+  else if (p.wide == 2) launch_decode_tile<Elem, 64, false, 2 * kBlockN, false>(p, stream);
+  else if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
+  else launch_decode_tile<Elem, 64, false>(p, stream);
 }
 
 }  // namespace mla_decode_sm80
