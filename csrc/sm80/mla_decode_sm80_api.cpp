@@ -13,10 +13,12 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "common/checks.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
+#include "sm80/mla_decode_sm80_stamps.h"
 
 namespace mds = mla_decode_sm80;
 
@@ -277,6 +279,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   // No schedule given: small batches schedule inline (each main-kernel CTA finds its own item, the same one the
   // metadata kernel would write); larger ones run the metadata kernel first.
   p.sched_inline = !schedule.has_value() && B <= mds::kInlineScheduleMaxBatch ? 1 : 0;
+  // Per-CTA timer stamps of the main kernel's (m-block, item) grid: null unless built with -DMLA_DECODE_STAMPS.
+  p.stamps = mds::stamps_for_launch(int64_t(num_mblocks) * num_items, stream);
   if (!schedule.has_value() && !p.sched_inline) {
     mds::launch_metadata(p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -387,6 +391,16 @@ py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t
   return d;
 }
 
+at::Tensor read_stamps() {
+  long long ctas = 0;
+  unsigned long long* ptr = mds::stamps_last(&ctas);
+  if (ptr == nullptr || ctas == 0) return at::empty({0, mds::kStampSlots}, at::TensorOptions().dtype(at::kLong));
+  std::vector<int64_t> host(size_t(ctas) * mds::kStampSlots);
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  C10_CUDA_CHECK(cudaMemcpy(host.data(), ptr, host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  return at::tensor(host, at::TensorOptions().dtype(at::kLong)).view({ctas, mds::kStampSlots});
+}
+
 void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
                 int64_t ws, int64_t pdl, int64_t qk_mbar, int64_t wide) {
   // every check before any assignment: a rejected call leaves the tuning as it was
@@ -434,6 +448,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "launch_info(batch, seqlen_q, num_heads, device) -> dict: the main kernel a decode call of these shapes runs "
         "(kernel, m_tile, num_mblocks, stages, tokens_per_step, ctas_per_sm, num_parts)",
         py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"));
+  m.def("read_stamps", &read_stamps,
+        "read_stamps() -> int64 (CTAs, 8) per-CTA timer stamps of the last decode call (mla_decode_sm80_stamps.h: "
+        "StampSlot order), or an empty tensor unless the module was built with -DMLA_DECODE_STAMPS "
+        "(scripts/decode_stamps.py)");
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
         py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1,

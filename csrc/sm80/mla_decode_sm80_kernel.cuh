@@ -25,6 +25,7 @@
 
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_launch.h"
+#include "sm80/mla_decode_sm80_stamps.h"
 #include "sm80/mla_decode_sm80_params.h"
 #include "sm80/mla_decode_sm80_schedule.h"
 
@@ -175,6 +176,7 @@ __device__ __forceinline__ void inline_schedule_item(const DecodeParams& p, int 
 // its own wait.
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
   grid_dependency_wait();
+  if (threadIdx.x == 0) stamp_now(p, item, kStampWaited);
   allow_dependent_launch();
   WorkItem w;
   if (p.sched_inline) {

@@ -7,6 +7,7 @@
 #include "sm80/mla_decode_sm80_launch.h"
 #include "sm80/mla_decode_sm80_params.h"
 #include "sm80/mla_decode_sm80_schedule.h"
+#include "sm80/mla_decode_sm80_stamps.h"
 
 namespace mla_decode_sm80 {
 
@@ -113,6 +114,30 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
 void launch_metadata(const DecodeParams& p, cudaStream_t stream) {
   launch_dependent(mla_decode_metadata_kernel, dim3(1), kMetaThreads, 0, stream, p);
 }
+
+#if defined(MLA_DECODE_STAMPS)
+// One buffer per process, grown as needed and never freed (a profiling build; calls on one stream at a time).
+static unsigned long long* g_stamps = nullptr;
+static long long g_stamps_cap = 0, g_stamps_ctas = 0;
+unsigned long long* stamps_for_launch(long long ctas, cudaStream_t stream) {
+  const size_t bytes = size_t(ctas) * kStampSlots * sizeof(unsigned long long);
+  if (ctas > g_stamps_cap) {
+    if (g_stamps != nullptr && cudaFree(g_stamps) != cudaSuccess) return nullptr;
+    if (cudaMalloc(&g_stamps, bytes) != cudaSuccess) { g_stamps = nullptr; g_stamps_cap = 0; return nullptr; }
+    g_stamps_cap = ctas;
+  }
+  if (cudaMemsetAsync(g_stamps, 0, bytes, stream) != cudaSuccess) return nullptr;
+  g_stamps_ctas = ctas;
+  return g_stamps;
+}
+unsigned long long* stamps_last(long long* ctas) {
+  *ctas = g_stamps ? g_stamps_ctas : 0;
+  return g_stamps;
+}
+#else
+unsigned long long* stamps_for_launch(long long, cudaStream_t) { return nullptr; }
+unsigned long long* stamps_last(long long* ctas) { *ctas = 0; return nullptr; }
+#endif
 
 void launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream);
 void launch_decode_fp16(const DecodeParams& p, int m_tile, cudaStream_t stream);

@@ -60,6 +60,8 @@ struct DecodeParams {
   // lengths (work_item) and no metadata kernel runs; the merge kernel derives the split counts the same way.
   // Neither sched_items nor sched_reqs is then read or written.
   int sched_inline;
+  // Per-CTA timer stamps (mla_decode_sm80_stamps.h): null unless the module was built with -DMLA_DECODE_STAMPS.
+  unsigned long long* stamps;
 };
 
 // Host launchers (defined in the .cu files).

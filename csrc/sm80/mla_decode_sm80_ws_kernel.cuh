@@ -63,7 +63,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
   const int item = blockIdx.y;
   const int mblock = blockIdx.x;
+  const unsigned long long t_entry = stamp_clock();  // stamps: 0 unless built with MLA_DECODE_STAMPS
   const WorkItem w = work_item(p, item);
+  if (threadIdx.x == 0) {
+    stamp_value(p, item, kStampEntry, t_entry);
+    stamp_now(p, item, kStampScheduled);
+    stamp_id(p, item, w.b < 0 ? -1 : w.n_tiles);
+  }
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
   const int L = p.seqlens[b];
@@ -202,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       for (int ks = 0; ks < KS; ++ks)
         ldsm_x4(sQ_a + swz(mt * 16 + (lane & 15), warp * Cfg::kKSlice + ks * 16 + (lane >> 4) * 8), qf[mt][ks]);
 
+    if (tid == 0) stamp_now(p, item, kStampFirstTile);
     for (int j = 0; j < n_tiles; ++j) {
       cp_async_wait_dyn(stages - 2);
       qk_sync();  // tile j landed for all QK threads; sS free again
@@ -299,6 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       cp_async_commit();
     }
     cp_async_wait_dyn(0);
+    if (tid == 0) stamp_now(p, item, kStampLoopEnd);
 
     // ---- row sums, 1/l for the PV warps, LSE ----
 #pragma unroll
@@ -361,6 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
         store_out_row<Elem, PVN>(p, w, item, grow, pw * Cfg::kPVCols, q4, o[mt], hh, sInvL[row * TPR]);
       }
     }
+    if (tid == kThreads - 1) stamp_now(p, item, kStampEnd);
   }
 }
 

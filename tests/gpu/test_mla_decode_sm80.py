@@ -293,6 +293,18 @@ def test_decode_qk_mbarrier_same_bits(ext):
         _same_bits(got[1][1], got[0][1], f"lse, H={H} Sq={Sq}")
 
 
+def test_read_stamps_empty_in_a_normal_build(ext):
+    # The per-CTA timer stamps (scripts/decode_stamps.py) exist only in a module built with -DMLA_DECODE_STAMPS;
+    # the normal build writes none, so read_stamps() gives an empty (0, 8) tensor even after a call.
+    lens = [100, 3]
+    ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, 16)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, 16, 1, torch.bfloat16)
+    ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, False)
+    torch.cuda.synchronize()
+    st = ext.read_stamps()
+    assert st.shape == (0, 8) and st.dtype == torch.int64
+
+
 def test_decode_odd_heads_and_sq(ext):
     for H, Sq in [(1, 1), (3, 5), (24, 8), (64, 3)]:
         _run_case(ext, lens=[513, 2, 77], H=H, Sq=Sq, page_size=32, dtype=torch.bfloat16, fused=False, causal=True,
