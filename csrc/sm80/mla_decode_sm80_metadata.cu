@@ -1,5 +1,7 @@
 // Split-KV scheduling metadata computed on the device (no host sync, CUDA-graph capturable), plus the
 // host-side dispatch of the main kernel. The split rule is in mla_decode_sm80_schedule.h.
+#include <cstdio>
+
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -117,16 +119,31 @@ void launch_metadata(const DecodeParams& p, cudaStream_t stream) {
 
 #if defined(MLA_DECODE_STAMPS)
 // One buffer per process, grown as needed and never freed (a profiling build; calls on one stream at a time).
+// A failed CUDA call leaves the launch without stamps (read_stamps() then returns an empty tensor) and says why.
 static unsigned long long* g_stamps = nullptr;
 static long long g_stamps_cap = 0, g_stamps_ctas = 0;
+static unsigned long long* stamps_failed(const char* what, cudaError_t e) {
+  std::fprintf(stderr, "mla_decode_sm80 stamps: %s failed: %s\n", what, cudaGetErrorString(e));
+  g_stamps_ctas = 0;
+  return nullptr;
+}
 unsigned long long* stamps_for_launch(long long ctas, cudaStream_t stream) {
   const size_t bytes = size_t(ctas) * kStampSlots * sizeof(unsigned long long);
   if (ctas > g_stamps_cap) {
-    if (g_stamps != nullptr && cudaFree(g_stamps) != cudaSuccess) return nullptr;
-    if (cudaMalloc(&g_stamps, bytes) != cudaSuccess) { g_stamps = nullptr; g_stamps_cap = 0; return nullptr; }
+    if (g_stamps != nullptr) {
+      const cudaError_t e = cudaFree(g_stamps);
+      g_stamps = nullptr;
+      g_stamps_cap = 0;
+      if (e != cudaSuccess) return stamps_failed("cudaFree", e);
+    }
+    if (const cudaError_t e = cudaMalloc(&g_stamps, bytes); e != cudaSuccess) {
+      g_stamps = nullptr;
+      return stamps_failed("cudaMalloc", e);
+    }
     g_stamps_cap = ctas;
   }
-  if (cudaMemsetAsync(g_stamps, 0, bytes, stream) != cudaSuccess) return nullptr;
+  if (const cudaError_t e = cudaMemsetAsync(g_stamps, 0, bytes, stream); e != cudaSuccess)
+    return stamps_failed("cudaMemsetAsync", e);
   g_stamps_ctas = ctas;
   return g_stamps;
 }

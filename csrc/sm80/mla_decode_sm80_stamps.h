@@ -3,8 +3,9 @@
 // the nvcc command line; scripts/decode_stamps.py builds such a module in its own cache and prints the phases.
 // Without the macro every stamp call below is an empty inline function and p.stamps stays null.
 //
-// Layout: p.stamps[(item * gridDim.x + m-block) * kStampSlots + slot], nanoseconds (globaltimer), written by one
-// thread per CTA; the host zeroes the buffer before each call (stamps_for_launch).
+// Layout: p.stamps[(item * gridDim.x + m-block) * kStampSlots + slot], nanoseconds (globaltimer), each slot written
+// by one thread of the CTA (thread 0, kStampEnd a PV thread); the host zeroes the buffer before each call
+// (stamps_for_launch). Only the warp-specialized kernel writes every slot; the others write kStampWaited only.
 #pragma once
 #include <cuda_runtime.h>
 
