@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from mla_autograd import _build  # noqa: E402
 
-os.environ["MLA_AUTOGRAD_CACHE"] = str(Path(_default_cache or _build.cache_root()).with_name(
-    Path(_default_cache or _build.cache_root()).name + "-stamps"))
+_cache = Path(_default_cache or _build.cache_root())
+os.environ["MLA_AUTOGRAD_CACHE"] = str(_cache.with_name(_cache.name + "-stamps"))
 from bench_decode import SCALE, make_case  # noqa: E402
 
 # StampSlot order (mla_decode_sm80_stamps.h)

@@ -1,5 +1,6 @@
 // Split-KV scheduling metadata computed on the device (no host sync, CUDA-graph capturable), plus the
-// host-side dispatch of the main kernel. The split rule is in mla_decode_sm80_schedule.h.
+// host-side dispatch of the main kernel and the stamp buffer of profiling builds (mla_decode_sm80_stamps.h).
+// The split rule is in mla_decode_sm80_schedule.h.
 #include <cstdio>
 
 #include <cub/block/block_reduce.cuh>
