@@ -18,14 +18,19 @@ namespace mla_decode_sm80 {
 
 __device__ __forceinline__ int tiles_of(int len) { return (max(len, 0) + kBlockN - 1) / kBlockN; }
 
+// Divisions in 32 bits whenever the operands fit (always in practice): a 64-bit division is a subroutine call,
+// and these run on every main-kernel CTA's critical path (the inline schedule).
 __device__ __forceinline__ long long split_budget(long long total_tiles, int num_parts, int min_tiles) {
-  const long long t = (total_tiles + num_parts - 1) / num_parts;
+  const long long n = total_tiles + num_parts - 1;
+  const long long t = n <= 0xffffffffLL ? (long long)(unsigned(n) / unsigned(num_parts)) : n / num_parts;
   return t < min_tiles ? min_tiles : t;
 }
 
-// Splits of a request with x tiles for the budget T: round(x / T), or rounded down.
+// Splits of a request with x tiles for the budget T: round(x / T), or rounded down. In 32 bits: x < 2^26, and a
+// budget past INT_MAX gives the same 0 as T itself (the warp-wide inline schedule runs it per request).
 __device__ __forceinline__ int splits_of(int x, long long T, int force_splits, bool round_down) {
-  int s = force_splits > 0 ? force_splits : int(round_down ? x / T : (x + T / 2) / T);
+  const int t = T > 0x7fffffffLL ? 0x7fffffff : int(T);
+  int s = force_splits > 0 ? force_splits : (round_down ? x / t : int((unsigned(x) + unsigned(t) / 2u) / unsigned(t)));
   s = min(s, max(x, 1));
   return max(s, 1);
 }
@@ -37,41 +42,83 @@ __device__ __forceinline__ bool splits_round_down(long long rounded_items, int n
 }
 
 // First tile of split j of a request with x tiles in s splits (split j ends where split j+1 begins).
-__device__ __forceinline__ int split_first_tile(int j, int x, int s) { return int((long long)j * x / s); }
+__device__ __forceinline__ int split_first_tile(int j, int x, int s) {
+  const unsigned long long jx = (unsigned long long)unsigned(j) * unsigned(x);  // j, x >= 0
+  return jx >> 32 ? int(jx / unsigned(s)) : int(unsigned(jx) / unsigned(s));
+}
 
-// The rule applied by one warp (all 32 lanes call it: shuffles) to the B lengths of p.seqlens, for the inline
-// schedule (B <= kInlineScheduleMaxBatch): requests are taken 32 at a time, in order, while more(first item of the
-// next 32) holds, and visit(b, first item, splits, length) runs on the lane that holds request b.
+// The rule applied by one warp (all 32 lanes call it: shuffles) to the B <= kInlineScheduleMaxBatch lengths of
+// p.seqlens, for the inline schedule: every length is loaded once into registers (lane l holds requests l, l + 32,
+// ...), then requests are taken 32 at a time, in order, while more(first item of the next 32) holds, and
+// visit(b, first item, splits, length) runs on the lane that holds request b.
+// It is on every main-kernel CTA's critical path (nothing can load before the CTA knows its item), so it is written
+// for a short dependency chain: one round trip for the lengths, the two warp sums as single-instruction reductions
+// (redux.sync), 32-bit divisions, and the scans of all groups of 32 requests side by side. The first version
+// (three passes over the lengths, each re-reading them, 64-bit divisions, one group's scan after another) made the
+// main kernel ~2 us longer than with a precomputed schedule at B=128 on the H200 (torch.profiler, after an L2 flush).
+// kPerLane groups of 32 requests per warp: 1 for B <= 32, whose call then costs what one group needs.
+template <int kPerLane, typename Visit, typename More>
+__device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p, Visit&& visit, More&& more) {
+  const unsigned full = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  int len[kPerLane], x[kPerLane], s[kPerLane];
+  int lane_tiles = 0;  // < 8 * 2^26 tiles: fits 32 bits per lane, not per warp
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int b = k * 32 + lane;
+    len[k] = b < p.B ? max(__ldg(p.seqlens + b), 0) : 0;
+    x[k] = tiles_of(len[k]);
+    lane_tiles += x[k];
+  }
+  // the warp's total in two 32-bit reductions of 16-bit halves (each sum < 2^21), since it may pass 2^32
+  const unsigned lo = __reduce_add_sync(full, unsigned(lane_tiles) & 0xffffu);
+  const unsigned hi = __reduce_add_sync(full, unsigned(lane_tiles) >> 16);
+  const long long T = split_budget((static_cast<long long>(hi) << 16) + lo, p.num_parts, p.min_tiles);
+  // splits_of on every slot, then 0 past B: a select, not a branch around each division
+  int lane_splits = 0;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int sk = splits_of(x[k], T, p.force_splits, false);
+    s[k] = k * 32 + lane < p.B ? sk : 0;
+    lane_splits += s[k];
+  }
+  // Without force_splits, each count is at most x / T + 1 and T >= total / num_parts, so they sum to at most
+  // num_parts + B: the 32-bit sum is exact whenever splits_round_down reads it.
+  const int rounded = int(__reduce_add_sync(full, unsigned(lane_splits)));
+  if (splits_round_down(rounded, p.num_parts, p.B, p.force_splits)) {  // uniform across the warp
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int sk = splits_of(x[k], T, p.force_splits, true);
+      s[k] = k * 32 + lane < p.B ? sk : 0;
+    }
+  }
+  int incl[kPerLane];  // inclusive scans of the splits over each group of 32 requests, all groups at once
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) incl[k] = s[k];
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int v = __shfl_up_sync(full, incl[k], off);
+      if (lane >= off) incl[k] += v;
+    }
+  }
+  int base = 0;  // first item of group k (uniform across the warp)
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    if (k * 32 >= p.B || !more(base)) break;
+    if (k * 32 + lane < p.B) visit(k * 32 + lane, base + incl[k] - s[k], s[k], len[k]);
+    base += __shfl_sync(full, incl[k], 31);
+  }
+}
+
+// The form by batch size: the eight-group form alone made the main kernel at B=128 as short as with a precomputed
+// schedule, but B=4 and B=7 0.3-0.9 us slower per call than the loops it replaced, which did one group's work there
+// (H200, session 14's A/B of 9c816af). This pair was faster than those loops at B = 4, 7, 32 and 128 (session 15).
 template <typename Visit, typename More>
 __device__ __forceinline__ void warp_request_splits(const DecodeParams& p, Visit&& visit, More&& more) {
-  const int lane = threadIdx.x & 31;
-  long long total = 0;
-#pragma unroll 4
-  for (int b = lane; b < p.B; b += 32) total += tiles_of(__ldg(p.seqlens + b));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  const long long T = split_budget(total, p.num_parts, p.min_tiles);
-  int rounded = 0;
-  if (p.force_splits <= 0 && p.B <= p.num_parts) {
-    for (int b = lane; b < p.B; b += 32) rounded += splits_of(tiles_of(__ldg(p.seqlens + b)), T, 0, false);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) rounded += __shfl_xor_sync(0xffffffffu, rounded, off);
-  }
-  const bool down = splits_round_down(rounded, p.num_parts, p.B, p.force_splits);
-  int base = 0;  // first item of request c (uniform across the warp)
-  for (int c = 0; c < p.B && more(base); c += 32) {
-    const int b = c + lane;
-    const int L = b < p.B ? max(__ldg(p.seqlens + b), 0) : 0;
-    const int s = b < p.B ? splits_of(tiles_of(L), T, p.force_splits, down) : 0;
-    int incl = s;  // inclusive scan of the splits over the warp's 32 requests
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    if (b < p.B) visit(b, base + incl - s, s, L);
-    base += __shfl_sync(0xffffffffu, incl, 31);
-  }
+  if (p.B <= 32) warp_request_splits_groups<1>(p, visit, more);
+  else warp_request_splits_groups<kInlineScheduleMaxBatch / 32>(p, visit, more);
 }
 
 }  // namespace mla_decode_sm80
