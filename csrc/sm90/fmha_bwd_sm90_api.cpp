@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 
 #include "common/checks.h"
@@ -146,6 +147,15 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   at::Tensor dpsum = at::empty({hq, scratch_rows}, fopt);
   at::Tensor dq_accum = at::empty({hq, scratch_rows, d}, fopt);
   at::Tensor dq_sem = at::empty({deterministic ? hq * (scratch_rows / BM) : 1}, q.options().dtype(at::kInt));
+  // The kernels must not depend on what the workspace held before: the preprocess writes every row of lse_log2
+  // and dpsum the main kernel reads, and clears every dq_accum block and semaphore. Tests set
+  // MLA_AUTOGRAD_POISON_WORKSPACE=1 (read per call) to fill all four with 0xff bytes (NaN, -1) first.
+  if (const char* e = std::getenv("MLA_AUTOGRAD_POISON_WORKSPACE"); e != nullptr && e[0] == '1') {
+    const cudaStream_t st = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem}) {
+      C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), st));
+    }
+  }
   if (varlen) {
     // rows that belong to no sequence (past cu_seqlens[B]) are never written by the kernels
     dq.zero_();

@@ -5,7 +5,7 @@ Reference: mla_autograd.reference.attention_backward in float32 on the same 16-b
 lse from mla_autograd.reference.attention_forward, so these tests do not depend on any forward
 kernel). Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plain PyTorch autograd
 in the same dtype (mla_autograd.testing.naive_attention) + eps. Gradients are NaN-poisoned before
-the call so unwritten elements fail.
+the call so unwritten elements fail, and so is the kernel's fp32 workspace (fixture `poisoned_workspace`).
 
 `python tests/gpu/test_fmha_bwd_sm90.py --bench [--causal-only] [--no-det]` times the kernel beside cuDNN
 (B=2 H=16 S=8192); MLA_BWD_SM90_L2_GROUP=N in the environment forces the launch grouping.
@@ -41,6 +41,14 @@ EPS = 1e-4
 @pytest.fixture(scope="module")
 def ext():
     return load_family("fmha_bwd_sm90")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_workspace(monkeypatch):
+    """Every call fills its fp32 workspace (lse_log2, dpsum, the dQ accumulator) with NaN and its
+    semaphores with -1 first (the host reads MLA_AUTOGRAD_POISON_WORKSPACE per call), so a row or
+    block the preprocess does not write or clear shows up as NaN instead of as the allocator's zeros."""
+    monkeypatch.setenv("MLA_AUTOGRAD_POISON_WORKSPACE", "1")
 
 
 def _mask_id(m):
