@@ -150,10 +150,10 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   // The kernels must not depend on what the workspace held before: the preprocess writes every row of lse_log2
   // and dpsum the main kernel reads, and clears every dq_accum block and semaphore. Tests set
   // MLA_AUTOGRAD_POISON_WORKSPACE=1 (read per call) to fill all four with 0xff bytes (NaN, -1) first.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();  // q's device (guard above)
   if (const char* e = std::getenv("MLA_AUTOGRAD_POISON_WORKSPACE"); e != nullptr && e[0] == '1') {
-    const cudaStream_t st = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
     for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem}) {
-      C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), st));
+      C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), stream));
     }
   }
   if (varlen) {
@@ -224,7 +224,6 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   p.deterministic = deterministic;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
 
-  void* stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream());
   try {
     if (d == 192) {
       fmha_bwd_sm90_run_192_128(p, stream);
