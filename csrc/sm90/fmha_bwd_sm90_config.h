@@ -15,16 +15,21 @@
 // register A operands of dV = P^T dO and dK = dS^T Q (RS wgmma): P never goes through smem, and only
 // dS^T is stored (4-byte stores, two buffers) for dQ = dS K. The per-query lse/dpsum come into smem
 // with each Q/dO stage (bulk copies on the same mbarrier). d = 192 keeps the unswapped schedule
-// (BN = 96 is not two 64-row atoms).
+// (BN = 112 is not two 64-row atoms).
 #pragma once
 
 template <int kHeadDim, int kHeadDimV>
 struct FmhaBwdSm90Config;
 
+// BN = 112 (per consumer WG, N = 56 for S/dP/dV^T/dK^T): every K/V block's dQ adds go through the L2 as
+// fp32 bulk reduces, so their bytes scale with 1/BN, and at the H200's power cap energy per call sets the
+// speed. 112 is the most that fits: dK^T/dV^T take 140 of the consumers' 240 registers and the smem is
+// 227 KiB (Q/dO two stages, K, V, P^T, dS^T, the fp32 dQ block). Against BN = 96, H200, B=2 H=16 S=8192:
+// main kernel -8% (causal) and -7% (full), per call -6.5% (2026-12-01, docs/perf/fmha_bwd_sm90.md).
 template <>
 struct FmhaBwdSm90Config<192, 128> {
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 96;
+  static constexpr int kBlockN = 112;
   static constexpr int kStages = 2;   // Q/dO pipeline stages
   static constexpr bool kSwapSdP = false;
 };

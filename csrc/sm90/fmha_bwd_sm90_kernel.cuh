@@ -264,6 +264,9 @@ struct Traits {
   using SmemLayoutVt = decltype(composition(SmemLayoutV{}, make_layout(make_shape(DVt{}, BNt{}),
                                                                        make_stride(BNt{}, _1{}))));
 
+  // Transposing stmatrix for P^T / dS^T and the dK^T / dV^T epilogue: four 8x8 blocks (16 columns of a
+  // WG's N tile) per instruction where N / 2 allows, else two.
+  using StsmT = std::conditional_t<(BN / 2) % 16 == 0, SM90_U16x8_STSM_T, SM90_U16x4_STSM_T>;
   using AtomLayout = Layout<Shape<_1, _2, _1>>;  // two consumer WGs along N
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN / 2>, _16>, GMMA::Major::K, GMMA::Major::K>(),
@@ -295,8 +298,10 @@ struct Traits {
     array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;   // swapped: the second dS^T buffer
     array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> dst;
     array_aligned<float, BM * D, 128> dq;  // fp32 dQ of one M-block, dq_store_pos layout
-    array_aligned<float, Stages * BM, 128> lse;  // swapped: lse_log2 / dpsum of each stage's M-block
-    array_aligned<float, Stages * BM, 128> dps;
+    // swapped only: lse_log2 / dpsum of each stage's M-block (the unswapped schedule reads them from
+    // global memory; one element keeps the smem budget at BN = 112)
+    array_aligned<float, Swap ? Stages * BM : 1, 128> lse;
+    array_aligned<float, Swap ? Stages * BM : 1, 128> dps;
     alignas(8) uint64_t full_bar[Stages];
     alignas(8) uint64_t empty_bar[Stages];
     alignas(8) uint64_t kv_bar;
@@ -567,7 +572,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
 
   // P and dS leave the accumulators through transposing stmatrix (8x8 blocks of 16-bit values, one
   // 16-byte smem row per key): the P^T/dS^T buffers are keys-major with the queries contiguous.
-  auto r2s_pds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  auto r2s_pds = make_tiled_copy_C(Copy_Atom<typename Tr::StsmT, Element>{}, mma_sdp);
   auto thr_r2s = r2s_pds.get_thread_slice(tidx);
   Tensor tPsP = thr_r2s.partition_D(sP);
   Tensor tdSsdS = thr_r2s.partition_D(sdS);
@@ -608,8 +613,19 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     lse_a = __ldg(p.lse_log2 + srow + row_a); lse_b = __ldg(p.lse_log2 + srow + row_a + 8);
     dps_a = __ldg(p.dpsum + srow + row_a); dps_b = __ldg(p.dpsum + srow + row_a + 8);
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.full_bar[st], ph);
-    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, st), tSrK, tSrS, true);
-    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, st), tdPrV, tdPrdP, true);
+    // The operand descriptors from smem bases hidden behind an empty asm: descriptors hoisted out of the
+    // loop (they are loop-invariant) stay live through it and spilled at BN = 112.
+    Element* q_base = ss.q.data();
+    Element* k_base = ss.k.data();
+    Element* do_base = ss.dout.data();
+    Element* v_base = ss.v.data();
+    asm volatile("" : "+l"(q_base), "+l"(k_base), "+l"(do_base), "+l"(v_base));
+    Tensor tSrQo = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(q_base), typename Tr::SmemLayoutQ{}));
+    Tensor tSrKo = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutK{}));
+    Tensor tdPrdOo = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(do_base), typename Tr::SmemLayoutdO{}));
+    Tensor tdPrVo = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{}));
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrQo(_, _, _, st), tSrKo, tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdOo(_, _, _, st), tdPrVo, tdPrdP, true);
   };
   // The loop sits inside the branch that issues the first step's GEMMs: where both paths met, the
   // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
@@ -726,7 +742,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     int tidx_s = tidx;  // opaque: the staging offsets must not be shared with (and kept live from) the loop's
     asm volatile("" : "+r"(tidx_s));
     // dK^T / dV^T rows are dims: a transposing stmatrix writes them as K/V rows (keys)
-    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dkv);
+    auto r2s = make_tiled_copy_C(Copy_Atom<typename Tr::StsmT, Element>{}, mma_dkv);
     store_dkv_tma<Tr>(args, ss, tidx_s, r2s, tdKr16, sdKt, r2s, tdVr16, sdVt);
     return;
   }

@@ -33,7 +33,7 @@ DEV = "cuda"
 DIMS = [(192, 128), (128, 128), (64, 64)]
 DTYPES = [torch.bfloat16, torch.float16]
 MASKS = [(False, False), (True, False), (True, True)]  # (causal, bottom_right)
-SHAPES = [(1, 1), (17, 113), (113, 17), (1023, 1023), (113, 1023), (1023, 17)]
+SHAPES = [(1, 1), (17, 113), (113, 17), (1023, 1023), (113, 1023), (1023, 17), (97, 224)]  # 224 = 2 x BN at d = 192
 HEADS = [(1, 1), (2, 2), (8, 2), (8, 1)]
 EPS = 1e-4
 
