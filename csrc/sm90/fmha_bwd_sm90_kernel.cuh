@@ -559,10 +559,6 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
   auto thr_dq = mma_dq.get_thread_slice(tidx);
 
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);      // (MMA, MMA_M, MMA_K, Stages)
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);      // (MMA, MMA_N, MMA_K)
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
   Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);
   Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);
   Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
@@ -620,12 +616,12 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     Element* do_base = ss.dout.data();
     Element* v_base = ss.v.data();
     asm volatile("" : "+l"(q_base), "+l"(k_base), "+l"(do_base), "+l"(v_base));
-    Tensor tSrQo = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(q_base), typename Tr::SmemLayoutQ{}));
-    Tensor tSrKo = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutK{}));
-    Tensor tdPrdOo = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(do_base), typename Tr::SmemLayoutdO{}));
-    Tensor tdPrVo = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{}));
-    mla_sm90::wg_gemm<false>(mma_sdp, tSrQo(_, _, _, st), tSrKo, tSrS, true);
-    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdOo(_, _, _, st), tdPrVo, tdPrdP, true);
+    Tensor tSrQ = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(q_base), typename Tr::SmemLayoutQ{}));
+    Tensor tSrK = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutK{}));
+    Tensor tdPrdO = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(do_base), typename Tr::SmemLayoutdO{}));
+    Tensor tdPrV = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{}));
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, st), tSrK, tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, st), tdPrV, tdPrdP, true);
   };
   // The loop sits inside the branch that issues the first step's GEMMs: where both paths met, the
   // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
