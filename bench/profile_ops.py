@@ -134,6 +134,24 @@ def cudnn_backward(q, k, v, do, causal: bool, scale: float):
     return lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True)
 
 
+def reference_out_lse(q, k, v, causal: bool, scale: float):
+    """out (in q's dtype) and lse of mla_autograd.reference's forward, top-left causal: what a backward needs,
+    without building a forward kernel. Empties the allocator's cache after (the reference materializes S)."""
+    from mla_autograd import reference
+    with torch.no_grad():
+        o, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
+    torch.cuda.empty_cache()
+    return o.to(q.dtype), lse
+
+
+def entry_backward(ext, q, k, v, do, o, lse, causal: bool, scale: float):
+    """The kernel family's own backward entry as a callable: no Python dispatch, preallocated dq/dk/dv,
+    dense (no varlen), top-left causal, not deterministic."""
+    q, k, v, o = (t.detach() for t in (q, k, v, o))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return lambda: ext.bwd(do, q, k, v, o, lse, dq, dk, dv, None, None, None, None, scale, causal, False, False)
+
+
 def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float = 0.0) -> None:
     """The backward alone (one saved forward graph), for mla_autograd.attention, the kernel family's own
     entry point (no Python, preallocated outputs) and SDPA cuDNN, each under three timers: triton's
@@ -147,31 +165,22 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
     dv = v.shape[-1]
     scale = dqk ** -0.5
     flops = 2.5 * 2 * B * H * S * S * (dqk + dv) * (0.5 if causal else 1.0)
-    from mla_autograd import reference
     if kernel_only:
-        with torch.no_grad():
-            o, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
-        torch.cuda.empty_cache()
+        o, lse = reference_out_lse(q, k, v, causal, scale)
     else:
         o, lse = M.attention(q, k, v, causal=causal, causal_align="top_left", softmax_scale=scale, return_lse=True)
     fam = M.explain(q, k, v, causal=causal).backward.family
     ext = load_family(fam)
-    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
     fns = {} if kernel_only else {
         "api": lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
     }
     fns.update({
-        "kernel entry": lambda: ext.bwd(do, qd, kd, vd, od, lse, dq, dk, dvv, None, None, None, None, scale, causal,
-                                        False, False),
+        "kernel entry": entry_backward(ext, q, k, v, do, o, lse, causal, scale),
         "sdpa_cudnn": cudnn_backward(q, k, v, do, causal, scale),
     })
     if not kernel_only:  # the same entry on the reference forward's out/lse: isolates the saved tensors
-        with torch.no_grad():
-            o_ref, lse_ref = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
-        o_ref = o_ref.to(o.dtype)
-        fns["entry, ref o/lse"] = lambda: ext.bwd(do, qd, kd, vd, o_ref, lse_ref, dq, dk, dvv, None, None, None, None,
-                                                  scale, causal, False, False)
+        fns["entry, ref o/lse"] = entry_backward(ext, q, k, v, do, *reference_out_lse(q, k, v, causal, scale),
+                                                 causal, scale)
     print(f"\nbackward alone {dqk}/{dv} causal={causal} B={B} H={H} S={S} (ms; TF/s at 2.5x fwd FLOPs)")
     for name, fn in fns.items():
         t = {"do_bench": median_ms(fn), "queued": queued_ms(fn, 20), "synced": events_ms(fn, iters=20)}

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from profile_ops import attention_inputs, cudnn_backward  # noqa: E402
+from profile_ops import attention_inputs, cudnn_backward, entry_backward, reference_out_lse  # noqa: E402
 
-from mla_autograd import reference  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
 
 
@@ -27,15 +26,8 @@ def main() -> None:
     if impl == "cudnn":
         fn = cudnn_backward(q, k, v, do, causal, scale)
     else:
-        q, k, v = q.detach(), k.detach(), v.detach()
-        with torch.no_grad():
-            o, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
-        torch.cuda.empty_cache()
-        ext = load_family("fmha_bwd_sm90")
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-        def fn():
-            ext.bwd(do, q, k, v, o, lse, dq, dk, dv, None, None, None, None, scale, causal, False, False)
+        fn = entry_backward(load_family("fmha_bwd_sm90"), q, k, v, do, *reference_out_lse(q, k, v, causal, scale),
+                            causal, scale)
     for _ in range(4):
         fn()
     torch.cuda.synchronize()
