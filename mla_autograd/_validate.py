@@ -69,8 +69,9 @@ def softmax_scale_or_default(softmax_scale, dqk: int) -> float:
         return 1.0 / math.sqrt(dqk)
     if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    # The one rule of every path (each kernel family's host layer checks the same: csrc/common/checks.h).
+    if isinstance(softmax_scale, bool) or not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     return float(softmax_scale)
 
 

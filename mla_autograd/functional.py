@@ -190,15 +190,21 @@ class Explanation:
     __repr__ = __str__
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, varlen: bool = False,
-            deterministic: bool = False) -> Explanation:
+def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_align: str = "bottom_right",
+            varlen: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+            max_seqlen_q: int | None = None, deterministic: bool = False) -> Explanation:
     """Say which backend `attention` / `attention_varlen` would use for these tensors, and why.
 
-    ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of
-    the dispatch table passed over with its reason. Reads only metadata.
+    Takes the arguments of the call it explains (cu_seqlens_* and max_seqlen_q for a varlen call; or
+    just ``varlen=True``, and then the answer assumes the two cu_seqlens are different tensors).
+    ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of the
+    dispatch table passed over with its reason. Reads only metadata.
     """
-    return Explanation(explain_call(attention_call("attn_fwd", q, k, v, varlen, causal)),
-                       explain_call(attention_call("attn_bwd", q, k, v, varlen, causal, deterministic)))
+    bottom_right = V.causal_bottom_right(causal_align)
+    kw = dict(causal=bool(causal), bottom_right=bottom_right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
+    return Explanation(explain_call(attention_call("attn_fwd", q, k, v, **kw)),
+                       explain_call(attention_call("attn_bwd", q, k, v, deterministic=bool(deterministic), **kw)))
 
 
 def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanation:

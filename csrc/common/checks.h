@@ -8,6 +8,7 @@
 // std::to_string and the message reaches TORCH_CHECK as one std::string, which c10 passes through.
 #pragma once
 
+#include <cmath>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -48,3 +49,14 @@ inline std::string cat(const A&... parts) {
 }  // namespace mla
 
 #define MLA_CHECK(cond, ...) TORCH_CHECK(cond, ::mla::cat(__VA_ARGS__))
+
+namespace mla {
+
+// The one softmax_scale rule of every kernel family (and of the Python API, which checks it first):
+// a finite, positive float. Zero is refused because CUTLASS's SM100 kernels read 0 as "use 1/sqrt(d)".
+inline void check_softmax_scale(double softmax_scale, const char* family) {
+  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, family,
+            ": softmax_scale must be a finite number > 0, got ", softmax_scale);
+}
+
+}  // namespace mla

@@ -203,7 +203,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   MLA_CHECK(out.stride(3) == 1, "decode: out must have unit last-dim stride");
   for (int d = 0; d < 3; ++d) MLA_CHECK(out.size(d) == 1 || out.stride(d) % 4 == 0, "decode: out stride ", d, " must be a multiple of 4");
   MLA_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0, "decode: out must be 8-byte aligned");
-  MLA_CHECK(std::isfinite(softmax_scale), "decode: softmax_scale must be finite");
+  mla::check_softmax_scale(softmax_scale, "decode");
   MLA_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
   MLA_CHECK(B <= 60000, "decode: batch (", B, ") too large for one launch");
   if (schedule.has_value()) check_schedule_tensor(*schedule, dev);
