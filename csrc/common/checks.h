@@ -4,7 +4,7 @@
 // Why not TORCH_CHECK's own formatting: it builds messages with std::ostringstream inside our
 // extension, and on the H200 image (extensions built with its /opt/gcc) every TORCH_CHECK whose
 // message formatted a number that way segfaulted, while string-only messages raised cleanly
-// (seen 2026-11-29 by two kernel families; cause not established). Here numbers go through
+// (in two kernel families; the cause is not established). Here numbers go through
 // std::to_string and the message reaches TORCH_CHECK as one std::string, which c10 passes through.
 #pragma once
 
