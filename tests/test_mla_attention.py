@@ -275,7 +275,8 @@ def test_explain_mla_cpu():
     assert text.startswith("mla inputs: concat") and "kernels need CUDA" in text
 
 
-@pytest.mark.parametrize("dims,expect", [((128, 64, 128), "sm90"), ((64, 64, 128), "sm90"), ((96, 32, 64), "reference")])
+@pytest.mark.parametrize("dims,expect", [((128, 64, 128), "sm90"), ((64, 64, 128), "sm90"),
+                                         ((96, 32, 64), "reference")])
 def test_explain_mla_routes_concatenated_dims(monkeypatch, dims, expect):
     """The table is asked for (Dn + Dr, Dv): 128 + 64 -> (192, 128), 64 + 64 -> (128, 128) are kernel dims."""
     monkeypatch.setattr(Call, "capability", property(lambda self: (9, 0)))
@@ -375,7 +376,8 @@ def test_varlen_errors():
         ((qn, qp, kn, kp, v, cq, ck, -1, 5), ValueError, "max_seqlen_q must be a non-negative int"),
         ((qn, qp, kn, kp, v, cq, ck, 4, 5.0), ValueError, "max_seqlen_k must be a non-negative int"),
         ((qn, qp, kn, kp, v, cq + 1, ck, 5, 5), ValueError, r"cu_seqlens_q\[0\] must be 0"),
-        ((qn, qp, kn, kp, v, cq, _cu([6, 3]), 4, 5), ValueError, "max_seqlen_k = 5 is smaller than the longest sequence"),
+        ((qn, qp, kn, kp, v, cq, _cu([6, 3]), 4, 5), ValueError,
+         "max_seqlen_k = 5 is smaller than the longest sequence"),
         ((qn, qp, kn, kp, v, _cu([5, -1, 3]), _cu([4, 0, 5]), 5, 5), ValueError, "cu_seqlens_q must be non-decreasing"),
         ((qn, qp, kn, kp, v, cq, _cu([4, 4]), 4, 5), ValueError,
          r"cu_seqlens_k\[-1\] = 8 must equal the number of packed tokens \(9\)"),
