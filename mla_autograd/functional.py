@@ -334,11 +334,17 @@ class MLAExplanation(Explanation):
 
 
 def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,
-                varlen: bool = False, deterministic: bool = False) -> MLAExplanation:
+                causal_align: str = "bottom_right", varlen: bool = False, cu_seqlens_q: Tensor | None = None,
+                cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+                deterministic: bool = False) -> MLAExplanation:
     """Say how `mla_attention` / `mla_attention_varlen` would run for these tensors: the path of the parts
     (``.path``, "concat" today) and the backends of the forward and backward (``.forward.backend``,
-    ``.backward.backend``) for the concatenated head dims (Dn + Dr, Dv). Reads only metadata."""
+    ``.backward.backend``) for the concatenated head dims (Dn + Dr, Dv). Keywords as in `explain`. Reads only
+    metadata."""
     dims = (q_nope.shape[-1] + q_pe.shape[-1], v.shape[-1])
-    calls = [dataclasses.replace(attention_call(op, q_nope, k_nope, v, varlen, causal, deterministic), dims=dims)
-             for op in ("attn_fwd", "attn_bwd")]
+    kw = dict(causal=bool(causal), bottom_right=V.causal_bottom_right(causal_align), cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
+    calls = [dataclasses.replace(attention_call("attn_fwd", q_nope, k_nope, v, **kw), dims=dims),
+             dataclasses.replace(attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw),
+                                 dims=dims)]
     return MLAExplanation(MLA_PATH, MLA_PATH_REASON, *(explain_call(c) for c in calls))
