@@ -170,14 +170,21 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=S.RESULTS, help="the store's folder (default bench/results)")
     ap.add_argument("--check", action="store_true", help="convert and verify only")
     a = ap.parse_args(argv)
-    todo, per_file = [], []
+    todo, srcs, per_file = [], [], []
     for f in a.files:
         c = convert(f)
         check(f, c)
         per_file.append((f.name, sum(len(rows) for _, _, rows in c), len(c)))
         todo += c
+        srcs += [f] * len(c)
     for name, rows, runs in per_file:
         print(f"{name}: {rows} rows in {runs} run{'s' if runs != 1 else ''}")
+    seen = {}
+    for (n, run, rows), src in zip(todo, srcs):
+        k = (n, S.run_key(run))
+        if k in seen and seen[k][1:] != (run, rows):
+            raise SystemExit(f"{src.name} and {seen[k][0].name} hold the same run {k[1]} with different content")
+        seen[k] = (src, run, rows)
     names = sorted({n for n, _, _ in todo})
     stores = {n: S.load(S.store_path(n, a.results), n) for n in names}
     before = {n: (len(s["runs"]), len(s["rows"])) for n, s in stores.items()}
