@@ -267,7 +267,7 @@ def main():
     # Two passes per round: every forward first, then every backward. Timed right after a backward's
     # 250 ms of back-to-back calls, our 128/128 forwards read 0.91-0.97x cuDNN in three runs on the H200;
     # alone (--no-bwd, same commit, warm GPU) 1.00-1.02x. The same kernels' backward also read up to 9%
-    # slower here than in bench/profile_ops.py (2026-11-30), so the rounds alternate the order of the
+    # slower here than in tools/profile_ops.py (2026-11-30), so the rounds alternate the order of the
     # implementations, and a row's time is the median over rounds (each round's in *_ms_rounds).
     def use_for(d, rnd):
         sel = [(k, f) for k, f in impls.items()

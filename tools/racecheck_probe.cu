@@ -12,9 +12,9 @@
 //                     store, as the decode kernel's QK warps do
 //   6 ring_mbar     : as 5 with an mbarrier (arrive + parity wait) for the writers' own sync instead of
 //                     `bar.sync 1, 128`: does racecheck keep the ordering then?
-// Build and run (scripts/gpu_check.sh does this with RACECHECK_PROBE=1):
-//   nvcc -arch=sm_90 -lineinfo -o /tmp/racecheck_probe scripts/racecheck_probe.cu
-//   for k in 0 1 2 3 4 5 6; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $k; done
+// Build and run (tools/gpu_check.sh does this with RACECHECK_PROBE=1):
+//   nvcc -arch=sm_90 -lineinfo -o racecheck_probe tools/racecheck_probe.cu
+//   for k in 0 1 2 3 4 5 6; do compute-sanitizer --tool racecheck ./racecheck_probe $k; done
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

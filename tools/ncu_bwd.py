@@ -3,7 +3,7 @@ through the fmha_bwd_sm90 entry on the reference forward's out/lse (no forward k
 backward for comparison. Four calls; skip the first two in ncu.
 
     ncu --clock-control none --kernel-name regex:fmha_bwd_sm90_main --launch-skip 2 --launch-count 1 \\
-        --set full --import-source yes -o rep python3 scripts/ncu_bwd.py 192 causal [ours|cudnn] [B H S]
+        --set full --import-source yes -o rep python3 tools/ncu_bwd.py 192 causal [ours|cudnn] [B H S]
     (cuDNN's main kernel: --kernel-name regex:flash_bprop)
 """
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_ops import attention_inputs, cudnn_backward, entry_backward, reference_out_lse  # noqa: E402
 
 from mla_autograd._build import load_family  # noqa: E402

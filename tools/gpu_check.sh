@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU counterpart of .ci/run, for a CUDA machine (the H200), in one call: build every kernel
-# family with ptxas reports, count HGMMA/HMMA and local-memory ops in the SASS, run the GPU tests,
-# run the benchmarks and the training example. Each phase has a time limit; the summary is written
-# to $OUT/summary.txt (or ./gpu_logs) as it goes, the full logs and result files to gpu_logs.tgz.
-#   bash scripts/gpu_check.sh                 # everything
-#   bash scripts/gpu_check.sh --tests-only
-#   bash scripts/gpu_check.sh --bench-only
-#   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash scripts/gpu_check.sh
+# The GPU counterpart of .ci/run, for a CUDA machine, in one command: build every kernel family with
+# ptxas reports, count HGMMA/HMMA and local-memory ops in the SASS, run the GPU tests, run the
+# benchmarks (their runs go to the results stores in bench/results/) and the training example. Each
+# phase has a time limit; the summary is written to $OUT/summary.txt (or ./gpu_logs) as it goes, the
+# full logs and the results stores to gpu_logs.tgz.
+#   bash tools/gpu_check.sh                 # everything
+#   bash tools/gpu_check.sh --tests-only
+#   bash tools/gpu_check.sh --bench-only
+#   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash tools/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS), RACECHECK_PROBE=1, GPU_TEST_FILES,
 # TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
+# CUTLASS_WHEEL: an nvidia-cutlass wheel file to install (into the work folder) when the package is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-all}"
@@ -21,17 +23,17 @@ summary="$LOG/summary.txt"; : >"$summary"
 say() { echo "$*" | tee -a "$summary"; }
 finish() { cp -r bench/results "$WORK/results" 2>/dev/null; tar czf "$LOG/gpu_logs.tgz" -C "$WORK" . 2>/dev/null; }
 trap finish EXIT
-# The device image lacks nvidia-cutlass: install the carried wheel (see the device tool's notes).
+# a machine without the package index: install nvidia-cutlass from a wheel file
 if ! python3 -c "import cutlass_library" 2>/dev/null; then
-  if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl || exit 1
-    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  if [ -n "${CUTLASS_WHEEL:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" $CUTLASS_WHEEL || exit 1
+    export PYTHONPATH="$WORK/site:${PYTHONPATH:-}"
   else
-    say "nvidia-cutlass is not installed and no .whl/ to install it from"; exit 1
+    say "nvidia-cutlass is not installed: pip install it, or set CUTLASS_WHEEL to a wheel file"; exit 1
   fi
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-export MLA_AUTOGRAD_CACHE="${MLA_AUTOGRAD_CACHE:-/tmp/mla_autograd_cache}"
+export MLA_AUTOGRAD_CACHE="${MLA_AUTOGRAD_CACHE:-${TMPDIR:-/tmp}/mla_autograd_cache}"
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), 'cxx11abi', torch.compiled_with_cxx11_abi())";
   which c++ g++ gcc; c++ --version | head -1; echo "CXX=${CXX:-}"; } >"$WORK/env.txt" 2>&1
 say "$(grep -m1 -E 'torch|^2\.' "$WORK/env.txt" | tail -1) | $(date -u +%FT%TZ) | commit ${MLA_COMMIT:-?}"
@@ -60,25 +62,25 @@ if [ "$MODE" != "--bench-only" ]; then
   if grep -q "^OK   fmha_bwd_sm90" "$WORK/build.log"; then
     # small cases with a per-gradient report first: a wrong or hanging backward shows here in seconds
     say "== fmha_bwd_sm90 smoke"
-    timeout "${SMOKE_BUDGET:-150}" python3 tests/gpu/test_fmha_bwd_sm90.py --smoke >"$WORK/smoke.log" 2>&1
+    timeout "${SMOKE_BUDGET:-150}" python3 tools/kernel_smoke.py bwd >"$WORK/smoke.log" 2>&1
     rc=$?; say "smoke rc=$rc"; grep -vE "Warning|warn\(" "$WORK/smoke.log" | tail -n 80 >>"$summary"
     # SMOKE_GATE=1: a failing backward makes the later phases meaningless; stop and save device time
     if [ "$rc" -ne 0 ] && [ -n "${SMOKE_GATE:-}" ]; then say "smoke failed: stopping (SMOKE_GATE)"; exit 1; fi
   fi
   if [ -n "${SANITIZE:-}" ]; then
-    say "== compute-sanitizer (tests/gpu/sanitize_small.py)"
+    say "== compute-sanitizer (tools/sanitize_small.py)"
     for tool in memcheck racecheck; do
-      # racecheck: the decode kernel in its mbarrier mode (--qk-mbar, same bits; see tests/gpu/sanitize_small.py)
+      # racecheck: the decode kernel in its mbarrier mode (--qk-mbar, same bits; see tools/sanitize_small.py)
       extra=""; [ "$tool" = racecheck ] && extra="--qk-mbar"
-      timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tests/gpu/sanitize_small.py ${SANITIZE_ARGS:-} $extra \
+      timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tools/sanitize_small.py ${SANITIZE_ARGS:-} $extra \
         >"$WORK/sanitize_$tool.log" 2>&1
       say "$tool rc=$?: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_small:" "$WORK/sanitize_$tool.log" | tr '\n' ' ')"
       grep -E "^========= (Invalid|Race|Error|.*hazard)" "$WORK/sanitize_$tool.log" | sort | uniq -c | head -6 | tee -a "$summary"
     done
   fi
-  if [ -n "${RACECHECK_PROBE:-}" ]; then  # does racecheck model named barriers? (scripts/racecheck_probe.cu)
+  if [ -n "${RACECHECK_PROBE:-}" ]; then  # does racecheck model named barriers? (tools/racecheck_probe.cu)
     say "== racecheck probe"
-    nvcc -arch=sm_90 -lineinfo -o "$WORK/racecheck_probe" scripts/racecheck_probe.cu >"$WORK/probe_build.log" 2>&1 || say "probe build failed"
+    nvcc -arch=sm_90 -lineinfo -o "$WORK/racecheck_probe" tools/racecheck_probe.cu >"$WORK/probe_build.log" 2>&1 || say "probe build failed"
     for k in 0 1 2 3 4 5 6; do
       compute-sanitizer --tool racecheck "$WORK/racecheck_probe" $k >"$WORK/probe_$k.log" 2>&1
       say "probe $k rc=$?: $(grep -E "racecheck_probe mode|RACECHECK SUMMARY" "$WORK/probe_$k.log" | tr '\n' ' ')"
@@ -111,14 +113,14 @@ fi
 if [ "$MODE" != "--tests-only" ]; then
   say "== benchmarks"
   if [ -n "${BWD_BENCH:-}" ]; then  # the backward kernel alone, also in deterministic mode, beside cuDNN
-    timeout 200 python3 tests/gpu/test_fmha_bwd_sm90.py --bench >"$WORK/bench_bwd.log" 2>&1
+    timeout 200 python3 bench/bench_kernels.py bwd >"$WORK/bench_bwd.log" 2>&1
     say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
   fi
   # FWD_BENCH=1: the forward kernel alone, beside cuDNN, with its defaults and then under each FWD_SCHEDS
   # schedule (forcing a schedule also keeps the config's kBlockN for unmasked problems)
   for s in ${FWD_BENCH:+default} ${FWD_SCHEDS:-}; do
     if [ "$s" = default ]; then env_s=(env -u MLA_FWD_SM90_SCHED); else env_s=(env MLA_FWD_SM90_SCHED=$s); fi
-    "${env_s[@]}" timeout 120 python3 tests/gpu/test_fmha_fwd_sm90.py --bench >"$WORK/bench_fwd_$s.log" 2>&1
+    "${env_s[@]}" timeout 120 python3 bench/bench_kernels.py fwd >"$WORK/bench_fwd_$s.log" 2>&1
     say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_$s.log" | tee -a "$summary"
   done
   if [ "${ATTN_BUDGET:-240}" -gt 0 ]; then
@@ -133,12 +135,11 @@ if [ "$MODE" != "--tests-only" ]; then
     timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
     say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
   fi
-  if [ -n "${PROFILE_ARGS:-}" ]; then  # per-kernel times of chosen calls (bench/profile_ops.py)
-    timeout "${PROFILE_BUDGET:-150}" python3 bench/profile_ops.py $PROFILE_ARGS >"$WORK/profile.log" 2>&1
+  if [ -n "${PROFILE_ARGS:-}" ]; then  # per-kernel times of chosen calls (tools/profile_ops.py)
+    timeout "${PROFILE_BUDGET:-150}" python3 tools/profile_ops.py $PROFILE_ARGS >"$WORK/profile.log" 2>&1
     say "profile_ops rc=$?"; grep -vE "Warning|warn\(" "$WORK/profile.log" | tail -n 120 | tee -a "$summary"
   fi
-  [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && timeout "${EXAMPLE_BUDGET:-90}" python3 examples/train_mla.py --device cuda --steps "${EXAMPLE_STEPS:-200}" --out /tmp/mla_ex >"$WORK/train_mla.log" 2>&1
+  [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && timeout "${EXAMPLE_BUDGET:-90}" python3 examples/train_mla.py --device cuda --steps "${EXAMPLE_STEPS:-200}" --out "$WORK/train_mla" >"$WORK/train_mla.log" 2>&1
   [ "${EXAMPLE_BUDGET:-90}" -gt 0 ] && { say "train_mla rc=$?"; tail -n 4 "$WORK/train_mla.log" | tee -a "$summary"; }
-  cp /tmp/mla_ex/*.png "$WORK/" 2>/dev/null
 fi
 say "== done $(date -u +%T)"

@@ -2,7 +2,7 @@
 ncu captures (select them with --launch-skip / --launch-count on mla_decode_kernel or mla_decode_ws_kernel).
 
     ncu --kernel-name regex:mla_decode --launch-skip 2 --launch-count 1 --set full --import-source yes -o rep \\
-        python3 scripts/ncu_decode.py B S H [set_tuning keyword=value ...]
+        python3 tools/ncu_decode.py B S H [set_tuning keyword=value ...]
 """
 import sys
 from pathlib import Path

@@ -7,12 +7,14 @@ for the used CTAs of each call, relative to the first CTA's entry (us: median, m
 the KV loop's time per tile and the spread of the CTAs' end times. The stamp stores cost a little: do not
 compare its times with bench_decode's.
 
-    python3 scripts/decode_stamps.py [--case B,S,H ...] [--runs 5] [--out stamps.json] [set_tuning keyword=value ...]
+    python3 tools/decode_stamps.py [--case B,S,H ...] [--runs 5] [--out stamps.json] [set_tuning keyword=value ...]
+
+--out writes the raw stamps as a results file of one run (bench/store.py; one row per call: case, call, and the
+stamps of every CTA); tools/merge_results.py adds it to bench/results/decode-stamps.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,6 +31,8 @@ from mla_autograd import _build  # noqa: E402
 _cache = Path(_default_cache or _build.cache_root())
 os.environ["MLA_AUTOGRAD_CACHE"] = str(_cache.with_name(_cache.name + "-stamps"))
 from bench_decode import SCALE, make_case  # noqa: E402
+from common import stamp  # noqa: E402
+from store import record  # noqa: E402
 
 # StampSlot order (mla_decode_sm80_stamps.h)
 ENTRY, WAITED, SCHEDULED, FIRST_TILE, LOOP_END, END, ID, TILES = range(8)
@@ -44,11 +48,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", help="B,S,H (default: 4,32768,16 and 128,4096,16)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", default=None, help="raw stamps as JSON")
+    ap.add_argument("--out", default=None, help="raw stamps as a results file (bench/store.py)")
     ap.add_argument("tune", nargs="*", help="set_tuning keyword=value")
     args = ap.parse_args()
     ext = _build.load_family("mla_decode_sm80")
     ext.set_tuning(**{k: int(v) for k, v in (a.split("=") for a in args.tune)})
+    meta = stamp()
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     raw = {}
     for case in args.case or ["4,32768,16", "128,4096,16"]:
@@ -90,8 +95,8 @@ def main() -> None:
         print(f"  KV loop, us per 32-token tile: {summary(per_tile)}")
         print(f"  end spread per call (last - first CTA end), us: {', '.join(f'{x:.1f}' for x in spread)}")
     if args.out:
-        Path(args.out).write_text(json.dumps(raw))
-        print(f"raw stamps: {args.out}")
+        rows = [{"case": case, "call": i, "stamps": st} for case, calls in raw.items() for i, st in enumerate(calls)]
+        print(f"raw stamps: {record('decode-stamps', meta, rows, out=Path(args.out))}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
 A benchmark says how long a call takes; this says which kernels make up that time and how much is
 left between them (launch gaps, host work). One workload per flag, all on the current CUDA device:
 
-    python bench/profile_ops.py --attention 128 causal   # fwd+bwd through mla_autograd.attention, B=2 H=16 S=8192
-    python bench/profile_ops.py --bwd 192 causal         # the backward alone, three timers, ours beside cuDNN
-    python bench/profile_ops.py --harness 192 causal     # bench_attention's backward row beside this file's timing
-    python bench/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
-    python bench/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa
+    python tools/profile_ops.py --attention 128 causal   # fwd+bwd through mla_autograd.attention, B=2 H=16 S=8192
+    python tools/profile_ops.py --bwd 192 causal         # the backward alone, three timers, ours beside cuDNN
+    python tools/profile_ops.py --harness 192 causal     # bench_attention's backward row beside this file's timing
+    python tools/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
+    python tools/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa
 
 For each it prints the call's median time (CUDA events, synchronized per call; for decode also replayed
 from a CUDA graph), the time per call queued back to back beside the summed kernel time of one call, and

@@ -1,8 +1,8 @@
 """Small cases of every kernel that runs on this GPU, for compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python tests/gpu/sanitize_small.py
-    compute-sanitizer --tool racecheck python tests/gpu/sanitize_small.py
-    compute-sanitizer --tool racecheck python tests/gpu/sanitize_small.py --decode-only [--qk-mbar]
+    compute-sanitizer --tool memcheck python tools/sanitize_small.py
+    compute-sanitizer --tool racecheck python tools/sanitize_small.py
+    compute-sanitizer --tool racecheck python tools/sanitize_small.py --decode-only [--qk-mbar]
 
 Through the public API: SM90 forward and backward (dense GQA with ragged lengths and bottom-right
 causal mask, and varlen with an empty sequence) and the SM80-style decode over a NaN-poisoned paged
@@ -12,12 +12,14 @@ the backend of each call; exits non-zero if any result is wrong.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-import mla_autograd as M
-from mla_autograd import reference
-from mla_autograd.testing import random_paged_cache
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mla_autograd as M  # noqa: E402
+from mla_autograd import reference  # noqa: E402
+from mla_autograd.testing import random_paged_cache  # noqa: E402
 
 
 def _close(name, a, r, tol=5e-2):
@@ -73,7 +75,7 @@ def main() -> int:
         ok &= _attention_cases(dev, dt, g)
     # decode. --qk-mbar: the warp-specialized kernel's QK warps sync on an mbarrier (set_tuning qk_mbar=1, same
     # results bit for bit); with their default named barrier racecheck loses track of the QK -> PV hand-offs
-    # and reports 2-3 false hazards (scripts/racecheck_probe.cu, modes 5 and 6).
+    # and reports 2-3 false hazards (tools/racecheck_probe.cu, modes 5 and 6).
     if "--qk-mbar" in sys.argv:
         from mla_autograd._build import load_family
         load_family("mla_decode_sm80").set_tuning(qk_mbar=1)
