@@ -40,7 +40,7 @@ say "$(grep -m1 -E 'torch|^2\.' "$WORK/env.txt" | tail -1) | $(date -u +%FT%TZ) 
 
 say "== build (ptxas -v)"; t=$(date +%s)
 # one process per family, in parallel (each runs its own nvcc jobs): the build is the longest
-# single phase of a device call. BUILD_FAMILIES narrows it (default: every family for sm_80/sm_90a).
+# single phase of this script. BUILD_FAMILIES narrows it (default: every family for sm_80/sm_90a).
 FAMS="${BUILD_FAMILIES:-$(python3 -c "from mla_autograd._build import FAMILIES as F; print(' '.join(n for n, f in sorted(F.items()) if any(f.matches_arch(a) for a in ('sm_80', 'sm_90a'))))")}"
 for fam in $FAMS; do
   timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --family "$fam" --ptxas-verbose >"$WORK/build_$fam.log" 2>&1 &
