@@ -4,7 +4,7 @@
 // fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
 //     causal, bottom_right) -> None     (contract: docs/architecture.md)
 //
-// Design (see /work/shared/design/sm100-cutlass77.md):
+// Design (docs/kernels/fmha_sm100.md):
 // * Only the variable-length problem shape is compiled. Dense (B, S, H, D) tensors are viewed as
 //   (B*S, H, D) with cu_seqlens = arange(B+1) * S (copied first if batch and sequence dims cannot
 //   be merged); dense lse (B, H, S) is addressed through the lse batch stride (row offset cu[b] =

@@ -451,7 +451,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_stamps", &read_stamps,
         "read_stamps() -> int64 (CTAs, 8) per-CTA timer stamps of the last decode call (mla_decode_sm80_stamps.h: "
         "StampSlot order), or an empty tensor unless the module was built with -DMLA_DECODE_STAMPS "
-        "(scripts/decode_stamps.py)");
+        "(tools/decode_stamps.py)");
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
         py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1,
