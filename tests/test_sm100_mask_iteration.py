@@ -1,5 +1,5 @@
-"""The SM100 backward kernels' tile and mask iteration, transcribed on the host and checked against the
-mask's definition for every (Sq, Sk) of a sweep.
+"""The SM100 kernels' tile and mask iteration, transcribed on the host and checked against the mask's
+definition for every (Sq, Sk) of a sweep: the backward kernels below, the forward at the end of the file.
 
 The SM100 backward runs CUTLASS 4.2 example 77's kernels (kernel/sm100_fmha_bwd_kernel_tma_warpspecialized.hpp,
 128x128 tiles, for (128, 128); kernel/sm100_fmha_bwd_mla_kernel_tma_warpspecialized.hpp, 64-row Q tiles and
@@ -131,3 +131,68 @@ def test_dispatch_matches_the_planner(dims, kernel, mask, monkeypatch):
             backend = _route(sq, sk, dims, mask == "bottom_right", monkeypatch)
             runs = _planned_mask(kernel, mask, sq, sk) is not None
             assert (backend == "sm100") == runs, (dims, mask, sq, sk, backend)
+
+
+# ---------------------------------------------------------------- forward
+# Both forward mainloops (collective/sm100_fmha_fwd_mainloop_tma_warpspecialized.hpp and the MLA one) give a
+# CTA one 256-row Q tile (two 128-row softmax halves) and walk key blocks 0 .. trip_count - 1 of 128 keys;
+# the last get_masked_trip_count of them are masked element by element (fmha_fusion.hpp's CausalMask /
+# ResidualMask), the others count whole.
+FWD_TQ, FWD_TK = 256, 128
+
+
+def _fwd_trips(mask: str, b: int, sq: int, sk: int) -> tuple[int, int]:
+    """(trip_count, masked_trip_count) of Q tile b, as fmha_fusion.hpp computes them."""
+    n_k = math.ceil(sk / FWD_TK)
+    if mask == "none":  # ResidualMask
+        return n_k, 1 if sk % FWD_TK else 0
+    if mask == "top_left":  # CausalMask<true>
+        trip = min(n_k, math.ceil((b + 1) * FWD_TQ / FWD_TK))
+        return trip, min(trip, math.ceil(FWD_TQ / FWD_TK))
+    offset = sk - sq  # CausalMask<false>
+    trip = min(n_k, math.ceil(((b + 1) * FWD_TQ + offset) / FWD_TK))
+    corner = int(bool(sk % FWD_TK or sq % FWD_TQ))
+    return trip, min(trip, math.ceil(FWD_TQ / FWD_TK) + corner)
+
+
+def _effective_fwd(mask: str, sq: int, sk: int) -> np.ndarray:
+    keep = np.zeros((sq, sk), dtype=bool)
+    offset = sk - sq if mask == "bottom_right" else 0
+    for b in range(math.ceil(sq / FWD_TQ)):
+        trip, masked = _fwd_trips(mask, b, sq, sk)
+        rows = np.arange(b * FWD_TQ, min(b * FWD_TQ + FWD_TQ, sq))[:, None]
+        for blk in range(trip):
+            cols = np.arange(blk * FWD_TK, blk * FWD_TK + FWD_TK)[None, :]
+            if blk >= trip - masked:
+                kept = cols < sk
+                if mask != "none":
+                    kept = kept & ~(rows + offset < cols)
+            else:
+                kept = np.ones((rows.shape[0], FWD_TK), dtype=bool)
+                assert (cols < sk).all(), f"fwd {mask} Sq={sq} Sk={sk}: unmasked block {blk} reaches past Sk"
+            c0 = blk * FWD_TK
+            keep[rows[:, 0], c0:min(c0 + FWD_TK, sk)] |= kept[:, :min(FWD_TK, sk - c0)]
+    return keep
+
+
+def _fwd_planned(mask: str, sq: int, sk: int) -> np.ndarray:
+    """What fmha_fwd_sm100 computes: bottom-right calls with Sq > Sk are split on the device (fwd_rewrite_cu)
+    into the first Sq - Sk rows, which see no key (O = 0, LSE = -inf without a kernel pass over keys), and the
+    other Sk rows, launched as an (Sk, Sk) problem; every other call is launched as it is."""
+    if mask == "bottom_right" and sq > sk:
+        keep = np.zeros((sq, sk), dtype=bool)
+        keep[sq - sk:] = _effective_fwd(mask, sk, sk)
+        return keep
+    return _effective_fwd(mask, sq, sk)
+
+
+FWD_SIZES = [1, 100, 127, 128, 129, 255, 256, 257, 383, 384, 511, 512, 513, 700]
+
+
+@pytest.mark.parametrize("mask", ["none", "top_left", "bottom_right"])
+def test_forward_iteration_gives_the_requested_visibility(mask):
+    for sq in FWD_SIZES:
+        for sk in FWD_SIZES:
+            got, want = _fwd_planned(mask, sq, sk), _definition(mask, sq, sk)
+            bad = np.argwhere(got != want)
+            assert bad.size == 0, f"fwd {mask} Sq={sq} Sk={sk}: first wrong (i, j) = {tuple(bad[0])}"
