@@ -20,8 +20,8 @@ Layouts (the sequence of length S split over W ranks):
     "contiguous": S in W equal chunks; rank r holds chunk r. Under a causal mask rank W - 1 does W
         times the work of rank 0.
 
-Eager only: the functions are excluded from torch.compile graphs (torch.compiler.disable), so a compiled
-model breaks its graph around them.
+Eager only: the attention functions are excluded from torch.compile graphs (as by torch.compiler.disable),
+so a compiled model breaks its graph around them.
 """
 from __future__ import annotations
 
@@ -489,7 +489,12 @@ def _check_local_lengths(q: Tensor, k: Tensor, kname: str, layout: str, world: i
 
 # ---------------------------------------------------------------------------------------------- public
 
-@torch.compiler.disable
+# torch.compiler.disable at the first call rather than at import: applying it imports torch._dynamo,
+# seconds of import time that a process not using torch.compile would pay for nothing.
+_eager_only = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
+@_eager_only
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, layout: str = "zigzag",
                                causal: bool = False, causal_align: str = "bottom_right",
                                softmax_scale: float | None = None, deterministic: bool = False,
@@ -551,7 +556,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, l
     return (out, lse) if return_lse else out
 
 
-@torch.compiler.disable
+@_eager_only
 def context_parallel_mla_attention(q: Tensor, kv_latent: Tensor, k_pe: Tensor, *, w_kv_b: Tensor, group=None,
                                    num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
                                    layout: str = "zigzag", causal: bool = False,
