@@ -228,7 +228,9 @@ def _fwd_op(*tensors):
 
 
 def _bwd_op(*tensors):
-    return _ops._attn_bwd if _ops.eager_direct(*tensors) else torch.ops.mla_autograd.attn_bwd
+    # with create_graph=True the op runs (and raises on double backward), as in FusedAttentionFunction
+    direct = _ops.eager_direct(*tensors) and not torch.is_grad_enabled()
+    return _ops._attn_bwd if direct else torch.ops.mla_autograd.attn_bwd
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:

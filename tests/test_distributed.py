@@ -118,7 +118,8 @@ def _mla_case(group, layout, causal):
             [w.detach().clone().requires_grad_()]
 
     lq, lc, lpe, lw = local_inputs()
-    out, lse = D.context_parallel_mla_attention(lq, lc, lpe, w_kv_b=lw, group=group, num_heads=H,
+    # k_pe (B, S, 1, rope) or (B, S, rope): both are taken
+    out, lse = D.context_parallel_mla_attention(lq, lc, lpe if causal else lpe.squeeze(2), w_kv_b=lw, group=group, num_heads=H,
                                                 qk_nope_head_dim=nope, v_head_dim=dv, layout=layout, causal=causal,
                                                 softmax_scale=scale, return_lse=True)
     grads = list(torch.autograd.grad(out, (lq, lc, lpe, lw), my_dout))
@@ -490,7 +491,8 @@ def test_ring_through_kernels_bf16(world, layout, causal):
     scale = dqk ** -0.5
     M.attention(*full[:3], causal=causal)  # loads the kernels once, before the threads
     res = _simulate(world, lambda r, ring: _drivers(r, ring, full, layout, causal, scale))
-    parts = [torch.cat([x[i] for x in res], dim=1) for i in range(5)]  # rank order, each in local order
+    # every rank's part in rank order (each in its local order); lse has the sequence in dim 2
+    parts = [torch.cat([x[i] for x in res], dim=2 if i == 1 else 1) for i in range(5)]
     order = torch.cat([_my_chunks(torch.arange(S), r, world, layout, dim=0) for r in range(world)]).cuda()
 
     q64, k64, v64 = (t.double().requires_grad_() for t in full[:3])
