@@ -317,6 +317,15 @@ def test_spawned(world, case, spawned):
 
 # ------------------------------------------------------------------------------------------- in one process
 
+def test_lazy_export_and_no_dynamo_import():
+    """mla_autograd.distributed is the module, and importing it does not import torch._dynamo (seconds)."""
+    code = ("import sys, mla_autograd as M, mla_autograd.distributed as D; assert M.distributed is D; "
+            "assert 'distributed' in M.__all__; assert 'torch._dynamo' not in sys.modules, 'dynamo imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert res.returncode == 0, res.stderr
+
+
 def test_block_plan_matches_global_causal_mask():
     """Every (rank, visiting block) pair: the calls of the plan cover exactly the visible (query, key)
     positions of the global causal mask, each once; non-causal calls hold no hidden pair (hidden pairs
