@@ -514,7 +514,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, l
         v: (B, S_local, Hkv, Dv).
             Last-dim stride 1. S_local = S / W (zigzag: even, two chunks of S / 2W).
         group: the process group (None: the default group); every rank of it must call this with the
-            same shapes, dtype and options. A group of one rank runs plain `attention`.
+            same shapes, dtype and options. A group of one rank runs plain `attention`. With NCCL, set
+            each rank's device (torch.cuda.set_device) first, as batch_isend_irecv requires.
         layout: "zigzag" or "contiguous", as given to `shard`.
         causal: causal mask over global positions (query i sees keys j <= i).
         causal_align: "bottom_right" or "top_left", validated and otherwise without effect: q and k are
