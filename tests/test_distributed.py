@@ -119,9 +119,9 @@ def _mla_case(group, layout, causal):
 
     lq, lc, lpe, lw = local_inputs()
     # k_pe (B, S, 1, rope) or (B, S, rope): both are taken
-    out, lse = D.context_parallel_mla_attention(lq, lc, lpe if causal else lpe.squeeze(2), w_kv_b=lw, group=group, num_heads=H,
-                                                qk_nope_head_dim=nope, v_head_dim=dv, layout=layout, causal=causal,
-                                                softmax_scale=scale, return_lse=True)
+    out, lse = D.context_parallel_mla_attention(lq, lc, lpe if causal else lpe.squeeze(2), w_kv_b=lw, group=group,
+                                                num_heads=H, qk_nope_head_dim=nope, v_head_dim=dv, layout=layout,
+                                                causal=causal, softmax_scale=scale, return_lse=True)
     grads = list(torch.autograd.grad(out, (lq, lc, lpe, lw), my_dout))
 
     eq, ec, epe, ew = local_inputs()  # expand locally, then the K/V ring
@@ -295,8 +295,10 @@ def spawned(tmp_path_factory):
     """Per-rank {"<world size>-<case>": None or the traceback}, from one spawn of WORLD processes."""
     outdir = str(tmp_path_factory.mktemp("cp"))
     # fork where there is one: the children start from this process's imports instead of importing torch
-    # again each (seconds per process on a small machine); they use only the CPU and gloo
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    # again each (seconds per process on a small machine); they use only the CPU and gloo. Not after CUDA
+    # was initialized here (earlier GPU tests in the session): a forked child must not inherit that.
+    fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    method = "fork" if fork else "spawn"
     mp.start_processes(_worker, args=(WORLD, _free_port(), outdir), nprocs=WORLD, join=True, start_method=method)
     per_rank = []
     for r in range(WORLD):
