@@ -61,7 +61,8 @@ def _expand(c, k_pe, w, H, nope, dv):
 
 # ------------------------------------------------------------------------------------------- spawned cases
 
-def _attention_case(group, layout, causal, hq=4, hkv=2, scale=None, B=2, chunk=3, dims=(8, 6), seed=0):
+def _attention_case(group, layout, causal, hq=4, hkv=2, scale=None, B=2, chunk=3, dims=(8, 6), seed=0,
+                    strided=False):
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(seed)
     S = 2 * W * chunk
@@ -72,12 +73,16 @@ def _attention_case(group, layout, causal, hq=4, hkv=2, scale=None, B=2, chunk=3
     ref, ref_lse = M.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
 
-    parts = [D.shard(t.detach(), group, layout=layout).requires_grad_() for t in (q, k, v)]
+    leaves = [D.shard(t.detach(), group, layout=layout).requires_grad_() for t in (q, k, v)]
+    # strided: views into wider rows (last stride 1, others not the dense ones), as a caller's split makes
+    parts = [torch.cat([t, torch.zeros_like(t)], dim=-1)[..., :t.shape[-1]] for t in leaves] if strided else leaves
+    if strided:
+        assert not any(t.is_contiguous() for t in parts)
     # group=None (the default group) on even ranks when the group is the whole world: the same group
     as_given = None if rank % 2 == 0 and W == dist.get_world_size() else group
     out, lse = D.context_parallel_attention(*parts, group=as_given, layout=layout, causal=causal,
                                             softmax_scale=scale, return_lse=True)
-    grads = torch.autograd.grad(out, parts, _my_chunks(dout, rank, W, layout))
+    grads = torch.autograd.grad(out, leaves, _my_chunks(dout, rank, W, layout))
     torch.testing.assert_close(out, _my_chunks(ref.detach(), rank, W, layout), **TOL)
     torch.testing.assert_close(lse, _my_chunks(ref_lse, rank, W, layout, dim=2), **TOL)
     for name, a, r in zip("qkv", grads, ref_grads):
@@ -246,7 +251,8 @@ def _cases():
             cases[f"{layout}-{'causal' if causal else 'full'}"] = \
                 lambda grp, layout=layout, causal=causal: _attention_case(grp, layout, causal)
     cases["mha-zigzag-causal"] = lambda grp: _attention_case(grp, "zigzag", True, hq=2, hkv=2)
-    cases["mqa-contiguous-causal"] = lambda grp: _attention_case(grp, "contiguous", True, hq=3, hkv=1)
+    cases["mqa-contiguous-causal-strided"] = lambda grp: _attention_case(grp, "contiguous", True, hq=3, hkv=1,
+                                                                         strided=True)
     cases["scale-batch1-zigzag"] = lambda grp: _attention_case(grp, "zigzag", True, scale=0.3, B=1, chunk=1,
                                                                dims=(4, 4))
     cases["independent-reference"] = _case_independent_reference
