@@ -91,11 +91,7 @@ def shard(x: Tensor, group=None, *, layout: str = "zigzag", dim: int = 1) -> Ten
     Raises ValueError when S is not divisible by 2W (zigzag) or W (contiguous), or for an unknown layout
     or an out-of-range dim.
     """
-    V._check_tensor("x", x)
-    _check_layout(layout)
-    dim = _check_dim("x", x, dim)
-    group = _group_or_default(group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dim, group, rank, world = _shard_args("x", x, group, layout, dim)
     if world == 1:
         return x.clone()
     n, S = _num_chunks(layout, world), x.shape[dim]
@@ -104,6 +100,15 @@ def shard(x: Tensor, group=None, *, layout: str = "zigzag", dim: int = 1) -> Ten
                          f"({_divisor_words(layout)} for layout={layout!r} with world size {world})")
     c = S // n
     return torch.cat([x.narrow(dim, i * c, c) for i in _chunks_of(layout, rank, world)], dim=dim)
+
+
+def _shard_args(name: str, x, group, layout: str, dim: int):
+    """shard's / unshard's argument checks: (dim normalised, the group, this rank, the world size)."""
+    V._check_tensor(name, x)
+    _check_layout(layout)
+    dim = _check_dim(name, x, dim)
+    group = _group_or_default(group)
+    return dim, group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def _divisor_words(layout: str) -> str:
@@ -122,11 +127,7 @@ def unshard(x_local: Tensor, group=None, *, layout: str = "zigzag", dim: int = 1
         The full tensor (S in `dim`), ordered by global position. Not differentiable: the result does
         not require grad (use it for results and checks, not inside a training graph).
     """
-    V._check_tensor("x_local", x_local)
-    _check_layout(layout)
-    dim = _check_dim("x_local", x_local, dim)
-    group = _group_or_default(group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dim, group, rank, world = _shard_args("x_local", x_local, group, layout, dim)
     if world == 1:
         return x_local.detach().clone()
     per_rank = _num_chunks(layout, world) // world

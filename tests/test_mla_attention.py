@@ -196,6 +196,17 @@ def test_deterministic_reproducible_and_double_backward_raises():
 
 # ---------------------------------------------------------------- property tests against the float64 naive MLA
 
+def _assert_same_results(out, lse, ref, ref_lse, parts):
+    """Outputs and lse equal, and the gradients of every part under one random dout."""
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    if out.numel() == 0:
+        return
+    do = torch.randn_like(out)
+    for a, b in zip(_grads(out, parts, do), _grads(ref, parts, do)):
+        torch.testing.assert_close(a, b)
+
+
 @settings(max_examples=25, deadline=None)
 @given(B=st.integers(1, 2), Sq=st.integers(0, 7), Sk=st.integers(0, 7), Hkv=st.sampled_from([1, 2]),
        G=st.sampled_from([1, 2, 3]), dims=st.sampled_from([(8, 4, 8), (16, 8, 12), (4, 4, 4)]),
@@ -205,13 +216,7 @@ def test_property_dense_matches_naive(B, Sq, Sk, Hkv, G, dims, shared, causal, a
     kw = dict(causal=causal, bottom_right=align == "bottom_right")
     out, lse = M.mla_attention(*parts, causal=causal, causal_align=align, return_lse=True)
     ref, ref_lse = _naive_mla(*parts, **kw)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(lse, ref_lse)
-    if out.numel() == 0:
-        return
-    do = torch.randn_like(out)
-    for a, b in zip(_grads(out, parts, do), _grads(ref, parts, do)):
-        torch.testing.assert_close(a, b)
+    _assert_same_results(out, lse, ref, ref_lse, parts)
 
 
 @settings(max_examples=25, deadline=None)
@@ -225,13 +230,7 @@ def test_property_varlen_matches_naive(lens, Hkv, G, shared, causal, align):
     out, lse = M.mla_attention_varlen(*parts, cq, ck, max(lq), max(lk), causal=causal, causal_align=align,
                                       return_lse=True)
     ref, ref_lse = _naive_mla(*parts, causal=causal, bottom_right=align == "bottom_right", cu_q=cq, cu_k=ck)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(lse, ref_lse)
-    if out.numel() == 0:
-        return
-    do = torch.randn_like(out)
-    for a, b in zip(_grads(out, parts, do), _grads(ref, parts, do)):
-        torch.testing.assert_close(a, b)
+    _assert_same_results(out, lse, ref, ref_lse, parts)
 
 
 # ---------------------------------------------------------------- torch.compile (a composition of the attention ops)
@@ -352,7 +351,7 @@ def test_keyword_errors():
     M.mla_attention(*p)
     with pytest.raises(ValueError, match="causal_align must be 'top_left' or 'bottom_right'"):
         M.mla_attention(*p, causal=True, causal_align="upper")
-    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
         M.mla_attention(*p, softmax_scale=float("inf"))
     with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
         M.mla_attention(*p, softmax_scale=torch.tensor(0.1))
