@@ -300,11 +300,15 @@ def _worker(rank, world, port, outdir):
 def spawned(tmp_path_factory):
     """Per-rank {"<world size>-<case>": None or the traceback}, from one spawn of WORLD processes."""
     outdir = str(tmp_path_factory.mktemp("cp"))
-    # fork where there is one: the children start from this process's imports instead of importing torch
-    # again each (seconds per process on a small machine); they use only the CPU and gloo. Not after CUDA
-    # was initialized here (earlier GPU tests in the session): a forked child must not inherit that.
-    fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
-    method = "fork" if fork else "spawn"
+    # A fork server with torch imported: the children are forked from a fresh process that has run no autograd
+    # and initialised no CUDA (a child forked from this test process would inherit autograd's worker threads
+    # once any earlier test ran a backward, and torch refuses that), and they skip importing torch again
+    # (seconds per process on a small machine). Spawn where there is no fork server.
+    if "forkserver" in mp.get_all_start_methods():
+        method = "forkserver"
+        mp.get_context(method).set_forkserver_preload(["torch", "mla_autograd"])
+    else:
+        method = "spawn"
     mp.start_processes(_worker, args=(WORLD, _free_port(), outdir), nprocs=WORLD, join=True, start_method=method)
     per_rank = []
     for r in range(WORLD):
