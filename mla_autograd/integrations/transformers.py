@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -117,18 +118,21 @@ class PackedSequences:
 
     Attributes:
         cu_seqlens: int32 (N + 1,) on the model's device: document boundaries in the flattened (B * S)
-            token order, starting at 0 and ending at B * S (N documents over all rows).
-        max_seqlen: Python int, the longest document.
-        doc_ids: (B, S) integer document index of every token (restarting per row), from transformers;
-            used only by the explicit-mask path.
+            token order, starting at 0 and ending at B * S (N documents over all rows); None when the
+            position_ids were read and every row holds one document (plain causal attention).
+        max_seqlen: Python int, the longest document (0 with cu_seqlens None).
+        doc_ids: (B, S) integer document index of every token (restarting per row); used only by the
+            explicit-mask path.
     """
 
     __slots__ = ("cu_seqlens", "max_seqlen", "doc_ids")
 
-    def __init__(self, cu_seqlens: Tensor, max_seqlen: int, doc_ids: Tensor):
+    def __init__(self, cu_seqlens: Tensor | None, max_seqlen: int, doc_ids: Tensor):
         self.cu_seqlens, self.max_seqlen, self.doc_ids = cu_seqlens, max_seqlen, doc_ids
 
     def __repr__(self) -> str:
+        if self.cu_seqlens is None:
+            return "PackedSequences(one document per row)"
         return f"PackedSequences(documents={self.cu_seqlens.numel() - 1}, max_seqlen={self.max_seqlen})"
 
 
@@ -178,8 +182,9 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
-def _packed_from_doc_ids(doc_ids: Tensor):
-    """PackedSequences for (B, S) document ids, or None when every row is one document.
+def _packed_from_doc_ids(doc_ids: Tensor) -> PackedSequences:
+    """PackedSequences for (B, S) document ids (a new document wherever the id changes, and at every
+    row start); its cu_seqlens is None when every row is one document.
 
     The boundaries are found on the device; the document count and the longest document come to the
     host in one copy (max_seqlen sizes the kernel grid, so it must be a Python int).
@@ -196,8 +201,31 @@ def _packed_from_doc_ids(doc_ids: Tensor):
     bounds = torch.cat([bounds, bounds.new_full((1,), t)])
     n, longest = torch.stack([flat.sum(), (bounds[1:] - bounds[:-1]).max()]).tolist()
     if n == b:
-        return None
+        return PackedSequences(None, 0, doc_ids)
     return PackedSequences(bounds[: n + 1].to(torch.int32), int(longest), doc_ids)
+
+
+def _doc_ids_from_position_ids(position_ids: Tensor) -> Tensor:
+    # transformers' convention (find_packed_sequence_indices): a document starts wherever the position
+    # does not follow the previous one by 1.
+    step = position_ids[:, 1:] - position_ids[:, :-1]
+    return F.pad((step != 1).cumsum(-1), (1, 0))
+
+
+_position_ids_seen: list = [None]  # (weakref to position_ids, its version, PackedSequences): the last forward's
+
+
+def _packed_from_position_ids(position_ids: Tensor) -> PackedSequences:
+    """PackedSequences from (1, S) position_ids, computed once per forward pass: every layer receives
+    the same position_ids tensor, so the result (and its one host copy) is reused across layers."""
+    if _tracing():
+        return _packed_from_doc_ids(_doc_ids_from_position_ids(position_ids))
+    seen = _position_ids_seen[0]
+    if seen is not None and seen[0]() is position_ids and seen[1] == position_ids._version:
+        return seen[2]
+    p = _packed_from_doc_ids(_doc_ids_from_position_ids(position_ids))
+    _position_ids_seen[0] = (weakref.ref(position_ids), position_ids._version, p)
+    return p
 
 
 def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -222,7 +250,7 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
     if kind is not None and isinstance(kv_offset, int) and kv_offset == 0:
         if kind == "packed":
             if attention_mask is None:
-                return _packed_from_doc_ids(doc_ids)
+                return _packed_from_doc_ids(doc_ids)  # cu_seqlens None: looked, one document per row
         elif attention_mask is not None:
             if attention_mask.dim() == 2 and q_length <= attention_mask.shape[-1] <= kv_length:
                 m = attention_mask.to(torch.bool)
@@ -330,6 +358,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             raise ValueError("mla_autograd transformers attention: got both cu_seq_lens_q/k (a padding-free batch) "
                              "and a padding attention mask; pass one or the other")
         return _varlen_from_kwargs(q, k, v, cu_q, cu_k, kwargs, causal, scaling), None
+
+    position_ids = kwargs.get("position_ids")
+    if (attention_mask is None and b == 1 and sq > 1 and k.shape[1] == sq and isinstance(position_ids, Tensor)
+            and position_ids.numel() == sq):
+        # Padding-free packing as flash implementations take it: one row of documents whose
+        # position_ids restart (transformers' own mask does not look for it when a cache is passed).
+        attention_mask = _packed_from_position_ids(position_ids.reshape(1, sq))
+
+    if isinstance(attention_mask, PackedSequences) and attention_mask.cu_seqlens is None:
+        attention_mask = None  # position_ids were read: one document per row
 
     if unsupported:
         _fallback(", ".join(unsupported))
@@ -455,8 +493,7 @@ def _explicit_attention(query, key, value, attention_mask, scaling, causal, drop
             visible = attention_mask
         else:
             additive = attention_mask[..., :sk]
-        causal = False  # a 4D mask is the whole pattern
-        sliding_window = None if attention_mask.dtype == torch.bool else sliding_window
+        causal, sliding_window = False, None  # a 4D mask is the whole pattern
     i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)  # bottom-right: queries are the last Sq
     j = torch.arange(sk, device=query.device)[None, :]
     pattern = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
@@ -471,7 +508,8 @@ def _explicit_attention(query, key, value, attention_mask, scaling, causal, drop
     if additive is not None:
         s = s + additive
     s = s.masked_fill(~visible, torch.finfo(s.dtype).min)
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(query.dtype)
+    # softmax in float32 as eager attention does (float64 stays float64)
+    p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(query.dtype)
     if dropout:
         p = F.dropout(p, p=dropout, training=True)
     return torch.matmul(p, value).transpose(1, 2).contiguous()
