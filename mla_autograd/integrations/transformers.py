@@ -144,8 +144,10 @@ def _free_vars(fn) -> dict:
 
 
 def _leaves(fn) -> list:
-    # and_masks(f, g, ...) returns a closure over its functions: flatten it to the functions it intersects.
-    if getattr(fn, "__qualname__", "").startswith("and_masks."):
+    # and_masks(f, g, ...) returns a closure "and_mask" over its functions: flatten it to the functions it
+    # intersects. Closures are told apart by their code name and free variables (what dynamo can read too).
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_name == "and_mask":
         out = []
         for f in _free_vars(fn).get("mask_functions", ()):
             out.extend(_leaves(f))
@@ -156,9 +158,9 @@ def _leaves(fn) -> list:
 def _classify(mask_fn):
     """("causal", None), ("packed", doc_ids (B, S)) or (None, None) for anything else.
 
-    create_causal_mask builds the packed mask as and_masks(remap_positions(causal, position_ids),
-    packed_sequence_mask_function(doc_ids)); anything else (sliding windows, chunks, or/and overlays,
-    bidirectional) is not recognised and gets an explicit mask.
+    create_causal_mask builds the packed mask as and_masks(remap_positions_for_packed_sequence(causal,
+    position_ids), packed_sequence_mask_function(doc_ids)); anything else (sliding windows, chunks,
+    or/and overlays, bidirectional) is not recognised and gets an explicit mask.
     """
     if mask_fn is causal_mask_function:
         return "causal", None
@@ -167,11 +169,10 @@ def _classify(mask_fn):
         return None, None
     doc_ids, remapped_causal = None, False
     for f in leaves:
-        qn = getattr(f, "__qualname__", "")
         fv = _free_vars(f)
-        if qn.startswith("packed_sequence_mask_function.") and isinstance(fv.get("packed_sequence_mask"), Tensor):
+        if set(fv) == {"packed_sequence_mask"} and isinstance(fv["packed_sequence_mask"], Tensor):
             doc_ids = fv["packed_sequence_mask"]
-        elif qn.startswith("remap_positions_for_packed_sequence.") and fv.get("mask_function") is causal_mask_function:
+        elif set(fv) == {"mask_function", "position_ids"} and fv["mask_function"] is causal_mask_function:
             remapped_causal = True
     if doc_ids is not None and remapped_causal and doc_ids.dim() == 2:
         return "packed", doc_ids

@@ -351,6 +351,18 @@ def test_torch_compile_fullgraph_training_step():
     torch._dynamo.reset()
 
 
+def test_torch_compile_packed_without_cache():
+    # Without a cache transformers hands the mask function the packed pattern while tracing; the
+    # document count is read there (one graph break per forward) and the layers run varlen.
+    ref, ours = twins(tiny_config(layers=1), torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    torch._dynamo.reset()
+    out = torch.compile(ours, backend="eager")(ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(out, ref(ids, position_ids=pos, use_cache=False).logits, atol=2e-5, rtol=2e-5)
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- what the kernels do not serve
 
 def _qkv(b=1, h=2, s=6, d=8, dv=8, dtype=torch.float64):
