@@ -110,7 +110,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="model dims (default: 'default' on a GPU, 'tiny' on a CPU)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per implementation (default 8 CPU / 30 GPU)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per implementation (default 8 CPU / 30 GPU)")
     ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 4 CPU / 16 GPU)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64 CPU / 1024 GPU)")
     ap.add_argument("--lr", type=float, default=2e-3)

@@ -30,8 +30,11 @@ by `mask_function`:
     bottom-right causal per segment, which is exactly the causal-and-padding mask for any padding
     pattern; padded query rows return 0 (as FlashAttention's padded path does).
   - a `PackedSequences` (documents packed into rows, found by transformers from position_ids that
-    restart per document): cu_seqlens and the longest document are computed once in the mask function
-    (one device-to-host copy of two integers per forward) -> `attention_varlen`, causal per document.
+    restart per document, which it looks for only without a cache): cu_seqlens and the longest document
+    are computed once in the mask function (one device-to-host copy of two integers per forward) ->
+    `attention_varlen`, causal per document. With a cache (the config's default use_cache=True, in
+    training too) transformers does not look; then, as flash implementations do, a single row's
+    position_ids are read by the first layer (once per forward, reused by the others).
   - a 4D mask (a custom mask passed by the caller, or a mask function this module does not recognise:
     sliding window, chunked, bidirectional, or/and overlays): the call runs on the plain-PyTorch
     explicit-mask path below, with one warning (an error with MLA_AUTOGRAD_STRICT=1).
@@ -395,9 +398,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         _fallback("a 4D attention mask (a custom mask, or a mask pattern other than causal with padding or packing)")
         return _explicit_attention(query, key, value, attention_mask, scaling, causal, 0.0, None, None), None
 
+    got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
     raise ValueError(f"mla_autograd transformers attention: attention_mask must be None, a (batch, seq) padding mask, "
-                     f"a 4D mask or PackedSequences, got "
-                     f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__}")
+                     f"a 4D mask or PackedSequences, got {got}")
 
 
 def _flat(x: Tensor) -> Tensor:

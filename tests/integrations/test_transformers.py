@@ -158,8 +158,9 @@ def test_logits_and_every_gradient_match_eager(monkeypatch, dtype, q_lora_rank):
 
 
 def test_deepseek_v2_matches_reference(monkeypatch):
-    cfg = transformers.DeepseekV2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    cfg = transformers.DeepseekV2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=4,
                                         q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
                                         v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
                                         num_experts_per_tok=2, max_position_embeddings=256)
@@ -203,8 +204,8 @@ def _per_document(model, docs, weights):
     return torch.cat(outs), loss
 
 
-@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
-@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("flash_kwargs, use_cache", [(False, True), (False, False), (True, True)],
+                         ids=["position_ids-cache", "position_ids-no_cache", "cu_seq_lens"])
 def test_packed_batch_equals_each_document_alone(monkeypatch, flash_kwargs, use_cache):
     # use_cache=True: transformers' mask creation does not look for packing, the attention function
     # reads position_ids (as flash implementations do); use_cache=False: the mask function gets the
@@ -260,7 +261,7 @@ def test_packed_cu_seqlens_come_from_the_mask_function():
 
 # --------------------------------------------------------------------------- padded batches
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64])
 def test_padded_batch_matches_eager_on_real_tokens(monkeypatch, dtype):
     ref, ours = twins(tiny_config(q_lora_rank=24), dtype)
     ids = torch.randint(0, VOCAB, (4, 11))
