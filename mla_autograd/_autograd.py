@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
+from . import _dispatch, _ops  # _ops registers torch.ops.mla_autograd.*
 
 __all__ = ["FusedAttentionFunction", "distinct_inputs"]
 
@@ -38,7 +38,9 @@ class FusedAttentionFunction(torch.autograd.Function):
 
     Saves q, k, v, out and the float32 LSE (never the attention matrix); the backward recomputes P.
     The LSE output is returned as non-differentiable, as in FlashAttention. Double backward is not
-    supported and raises.
+    supported and raises. In eager mode, when an input needs a gradient, the forward records its caller's
+    line (outside mla_autograd and torch: one short walk up the stack) so that a reference-path warning of
+    the backward, which the autograd engine may run on a thread with no Python caller, can point at it.
     """
 
     @staticmethod
@@ -50,6 +52,9 @@ class FusedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic)
         ctx.mark_non_differentiable(lse)
+        ctx.call_site = None
+        if not torch.compiler.is_compiling() and any(ctx.needs_input_grad[:3]):
+            ctx.call_site = _dispatch.call_site()
         return out, lse
 
     @staticmethod
@@ -59,6 +64,14 @@ class FusedAttentionFunction(torch.autograd.Function):
         # create_graph=True runs this with grad enabled: the op then raises (no double backward)
         direct = _ops.eager_direct(dout, q, k, v) and not torch.is_grad_enabled()
         bwd = _ops._attn_bwd if direct else torch.ops.mla_autograd.attn_bwd
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
-                         deterministic)
+        if torch.compiler.is_compiling():
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
+                             deterministic)
+        else:
+            _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
+            try:
+                dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
+                                 deterministic)
+            finally:
+                _dispatch.set_backward_site(None)
         return dq, dk, dv, None, None, None, None, None, None, None, None

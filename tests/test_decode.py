@@ -71,30 +71,42 @@ def test_decode_is_inference_only():
         M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
 
 
-def test_decode_check_values_false_reads_nothing_on_the_host(monkeypatch):
-    """check_values=False (what nn.MLACache's decode steps use) must not copy cache_seqlens or
-    block_table to the host: on a GPU that copy is a device sync per generated token."""
+def test_decode_value_checks_read_one_value_on_the_host(host_reads, monkeypatch):
+    """The value checks run on the inputs' device and copy one int64 to the host; check_values=False (what
+    nn.MLACache's decode steps use) reads nothing there: on a GPU each host read is a device sync."""
     lens = torch.tensor([3, 9], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=32, dim_kpe=8, dtype=torch.float64)
     q_nope, q_pe = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
     from mla_autograd import _validate
 
-    host_reads = []
-    real_cpu = torch.Tensor.cpu
-
-    def spy(t, *a, **k):
-        host_reads.append(tuple(t.shape))
-        return real_cpu(t, *a, **k)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", spy)
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    host_reads.clear()  # what making the inputs read
     _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
     assert host_reads == []
-    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checks read both
-    assert (2,) in host_reads and tuple(table.shape) in host_reads
-    monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checked, one 0-d read
+    assert host_reads == [("item", ())]
+    host_reads.clear()
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")  # forces the checks on, check_values=False too
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
+    assert host_reads == [("item", ())]
+    host_reads.clear()
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")  # turns them off, check_values=True too
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=True)
+    assert host_reads == []
+    monkeypatch.undo()
     out = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, check_values=False)
     exp_out, _ = _expected(q_nope, q_pe, ckv, kpe, table, lens, 0.2, True)
     torch.testing.assert_close(out, exp_out.to(out.dtype))
+
+
+def test_decode_env_forces_checks_on_check_values_false(monkeypatch):
+    lens = torch.tensor([5, 99], dtype=torch.int32)  # 99 > capacity
+    ckv, kpe, table = random_paged_cache(torch.tensor([5, 3]), page_size=4, dim_ckv=16, dim_kpe=8,
+                                         dtype=torch.float32)
+    args = (torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8), ckv, kpe, table, lens)
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 99 must be 0"):
+        M.decode(*args, softmax_scale=0.1, check_values=False)
 
 
 # ---- decode_schedule: plan once per decode step, pass to every layer's decode ----
