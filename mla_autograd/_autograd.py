@@ -5,7 +5,7 @@ import torch
 
 from . import _dispatch, _ops  # _ops registers torch.ops.mla_autograd.*
 
-__all__ = ["FusedAttentionFunction", "distinct_inputs"]
+__all__ = ["FusedAttentionFunction", "distinct_inputs", "record_call_site"]
 
 
 def _no_double_backward(ctx, *grads):
@@ -33,28 +33,36 @@ def distinct_inputs(*tensors):
     return tuple(out)
 
 
+def record_call_site(q, k, v):
+    """The caller's line outside mla_autograd and torch (one short walk up the stack), in eager mode when a
+    backward can follow (grad enabled, an input requires grad); else None (nothing is walked)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return _dispatch.call_site()
+
+
 class FusedAttentionFunction(torch.autograd.Function):
     """Dense or varlen attention: forward = mla_autograd::attn_fwd, backward = mla_autograd::attn_bwd.
 
     Saves q, k, v, out and the float32 LSE (never the attention matrix); the backward recomputes P.
     The LSE output is returned as non-differentiable, as in FlashAttention. Double backward is not
-    supported and raises. In eager mode, when an input needs a gradient, the forward records its caller's
-    line (outside mla_autograd and torch: one short walk up the stack) so that a reference-path warning of
-    the backward, which the autograd engine may run on a thread with no Python caller, can point at it.
+    supported and raises. call_site: where the public call was made (see record_call_site), kept for a
+    reference-path warning of the backward, which the autograd engine may run on a thread with no Python
+    caller.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, bottom_right, deterministic):
+                causal, bottom_right, deterministic, call_site=None):
         fwd = _ops._attn_fwd if _ops.eager_direct(q, k, v) else torch.ops.mla_autograd.attn_fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        bottom_right)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic)
         ctx.mark_non_differentiable(lse)
-        ctx.call_site = None
-        if not torch.compiler.is_compiling() and any(ctx.needs_input_grad[:3]):
-            ctx.call_site = _dispatch.call_site()
+        ctx.call_site = call_site
         return out, lse
 
     @staticmethod
@@ -74,4 +82,4 @@ class FusedAttentionFunction(torch.autograd.Function):
                                  deterministic)
             finally:
                 _dispatch.set_backward_site(None)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None

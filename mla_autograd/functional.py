@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from . import _ops, _validate as V
-from ._autograd import FusedAttentionFunction, distinct_inputs
+from ._autograd import FusedAttentionFunction, distinct_inputs, record_call_site
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
 from .schedule import DecodeSchedule
@@ -43,7 +43,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_a
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v), None, None, q.shape[1], k.shape[1], scale,
-                                            bool(causal), bottom_right, bool(deterministic))
+                                            bool(causal), bottom_right, bool(deterministic), record_call_site(q, k, v))
     return (out, lse) if return_lse else out
 
 
@@ -74,7 +74,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
                                             int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), bottom_right,
-                                            bool(deterministic))
+                                            bool(deterministic), record_call_site(q, k, v))
     return (out, lse) if return_lse else out
 
 

@@ -177,6 +177,43 @@ def test_decode_schedule_inference_tensor():
     assert torch.equal(out, M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2))
 
 
+def test_decode_schedule_inference_tensor_modified_in_place():
+    """No version counter: the schedule's device copy of the lengths is compared while decode checks values
+    (in the same single host copy); with check_values=False the edit cannot be seen (documented)."""
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    with torch.inference_mode():
+        lens_i = lens.clone()
+        s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
+        assert s.seqlens_copy is not None and torch.equal(s.seqlens_copy, lens_i)
+        assert s.seqlens_copy.device == lens_i.device and s.seqlens_copy.data_ptr() != lens_i.data_ptr()
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+        lens_i[1] -= 3  # the next step's lengths written into the same inference tensor
+        with pytest.raises(ValueError, match=r"schedule is stale: cache_seqlens\[1\] is 14 but was 17 when the "
+                                             r"schedule was computed .*decode_schedule\(cache_seqlens, seqlen_q=1, "
+                                             r"num_heads=4\)"):
+            M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s, check_values=False)
+        s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+    # a normal tensor keeps no copy: its version counter tells
+    assert M.decode_schedule(lens, seqlen_q=1, num_heads=4).seqlens_copy is None
+
+
+def test_decode_schedule_metadata_errors_come_before_value_checks(host_reads):
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    s = M.decode_schedule(lens, seqlen_q=1, num_heads=4)
+    bad = torch.tensor([5, 99, 0], dtype=torch.int32)  # also out of range, but another tensor: said first
+    host_reads.clear()
+    with torch.no_grad(), pytest.raises(ValueError, match="schedule is stale: it was computed from a different"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, bad, softmax_scale=0.2, schedule=s)
+    assert host_reads == []
+
+
+def test_schedule_module():
+    from mla_autograd import functional, schedule
+    assert M.DecodeSchedule is schedule.DecodeSchedule is functional.DecodeSchedule
+
+
 @pytest.mark.parametrize("args,exc,match", [
     ((torch.tensor([3, 4]),), TypeError, "cache_seqlens must be int32, got int64"),
     ((torch.zeros(2, 2, dtype=torch.int32),), ValueError, "cache_seqlens must have 1 dimensions"),
