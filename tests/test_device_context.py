@@ -229,3 +229,30 @@ def test_layer_built_under_meta_context_then_materialised():
     m.load_state_dict(ref.state_dict())
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     _same(m(x), ref(x))
+
+
+@pytest.mark.gpu
+def test_value_checks_synchronise_once_on_cuda():
+    """On a GPU the value checks cost one synchronising copy (of one int64) per checked call, none with the
+    checks off; decode_schedule none at all."""
+    from mla_autograd import _validate
+
+    q_nope, q_pe, ckv, kpe, table, lens = _decode_case("cuda", torch.bfloat16, H=16, Dc=512, Dr=64, page=64)
+    q, k, v = (torch.randn(9, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cq = _cu([4, 5], "cuda")
+
+    def syncs(fn):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in record)
+
+    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)) == 0
+    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)) == 1
+    assert syncs(lambda: _validate.check_attention_varlen(q, k, v, cq, cq, 5, 5)) == 1
+    assert syncs(lambda: M.decode_schedule(lens, seqlen_q=1, num_heads=16)) == 0
