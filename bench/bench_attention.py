@@ -1,6 +1,6 @@
 """Benchmark mla_autograd.attention beside SDPA (cuDNN, flash, mem-efficient) and FlexAttention.
 
-Workloads as in ../shared/anchors/README.md: B=2 H=16 S=8192, (Dqk, Dv) in {(192,128), (128,128)},
+Workloads: B=2 H=16 S=8192, (Dqk, Dv) in {(192,128), (128,128)},
 causal and not, bf16, random normal inputs. Median times; FLOPs: fwd = 2*B*H*Sq*Sk*(Dqk+Dv)
 (halved when causal), bwd = 2.5 x fwd. Each round times all forwards, then all backwards; rounds
 alternate the order of the implementations and the table gives the median over rounds. nvidia-smi samples
@@ -15,7 +15,12 @@ is checked against cuDNN's before it is timed, and the backend that served our o
     python bench/bench_attention.py                # the anchor workloads
     python bench/bench_attention.py --sweep        # + S = 1k..16k at 16k tokens per batch (192/128)
     python bench/bench_attention.py --quick        # S = 4096 only
-Writes bench/results/attention-<date>-<gpu>-<commit>.json and .png, and prints a table.
+    python bench/bench_attention.py --out run.json # this run alone to run.json (+ run.png), not to the store
+    python bench/bench_attention.py --replot       # only redraw bench/results/attention.png (the latest run)
+Adds the run to the results store bench/results/attention.json (bench/store.py: one row per workload and
+implementation, keyed by gpu, torch, commit and date; rewritten after every workload, so a run cut short keeps
+its rows), redraws bench/results/attention.png from it, and prints a table. tools/merge_results.py adds a file
+written with --out to the store.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, PowerSampler, median_ms, stamp, write  # noqa: E402
+from common import PowerSampler, median_ms, stamp  # noqa: E402
+from store import latest_rows, load, record, store_path  # noqa: E402
 
 import mla_autograd as M  # noqa: E402
 
@@ -232,15 +238,17 @@ def main():
                     help="passes over all workloads, alternating the order of the implementations (median)")
     ap.add_argument("--no-power", action="store_true",
                     help="do not sample SM clock and board power (nvidia-smi) during each measurement")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
+    ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     ap.add_argument("--peers", default=None,
                     help="comma-separated subset of sdpa_cudnn,sdpa_flash,sdpa_mem_efficient,flex_attention")
     ap.add_argument("--flex-dims", default=None, help="only run FlexAttention for this Dqk (it compiles per shape)")
-    ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing result JSON")
+    ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
+                    help="only redraw the PNG of the latest run in a results file (default the attention store)")
     args = ap.parse_args()
-    if args.replot:
-        import json
-        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_suffix(".png"))
+    if args.replot is not None:
+        src = Path(args.replot) if args.replot else store_path("attention", args.results)
+        plot(latest_rows(load(src)), src.with_suffix(".png"))
         return
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
@@ -253,10 +261,13 @@ def main():
     rows = []
     meta = stamp()
     meta["rounds"] = args.rounds
+
+    def save():  # the run so far, to --out or into the store
+        return record("attention", meta, rows, out=args.out, results=args.results)
     # Two passes per round: every forward first, then every backward. Timed right after a backward's
     # 250 ms of back-to-back calls, our 128/128 forwards read 0.91-0.97x cuDNN in three runs on the H200;
     # alone (--no-bwd, same commit, warm GPU) 1.00-1.02x. The same kernels' backward also read up to 9%
-    # slower here than in bench/profile_ops.py (2026-11-30), so the rounds alternate the order of the
+    # slower here than in tools/profile_ops.py (2026-11-30), so the rounds alternate the order of the
     # implementations, and a row's time is the median over rounds (each round's in *_ms_rounds).
     def use_for(d, rnd):
         sel = [(k, f) for k, f in impls.items()
@@ -269,17 +280,16 @@ def main():
         for B, H, s, d, dv, c in shapes:
             for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_bwd=False):
                 merge_round(rows, by_key, r)
-            meta["rows"] = rows
-            path = write("attention", meta, Path(args.out))  # after every workload: a cut-short run keeps its rows
+            path = save()  # after every workload: a cut-short run keeps its rows
         if not args.no_bwd:
             for B, H, s, d, dv, c in shapes:
                 for r in bench_one(B, H, s, d, dv, c, use_for(d, rnd), do_fwd=False):
                     merge_round(rows, by_key, r)
-                path = write("attention", meta, Path(args.out))
+                path = save()
     if sampler is not None:
         sampler.close()
         annotate_power(rows, sampler)
-        path = write("attention", meta, Path(args.out))
+        path = save()
     plot(rows, path.with_suffix(".png"))
     print(f"\n{meta['gpu']}  torch {meta['torch']}  cudnn {meta['cudnn']}  commit {meta['commit']}")
     hdr = f"{'workload':<26}{'impl':<20}{'backend':<10}{'fwd TF/s':>9}{'bwd TF/s':>9}{'fwd/cudnn':>10}{'bwd/cudnn':>10}"

@@ -12,9 +12,11 @@ a CUDA graph (as a serving loop runs it), cache GB/s = B*S*576*2 bytes / time,
 TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Each case is timed twice: as decode() computes its own split-KV
 schedule (metadata kernel + main + merge), and with a schedule precomputed once by
 decode_schedule(seqlens, Sq, H) and passed as decode(..., schedule=) (main + merge: what every layer but
-the plan costs in a decode step). Writes JSON to bench/results/ and prints a table.
+the plan costs in a decode step). Adds the run to the results store bench/results/decode.json (an --ab run:
+decode-ab.json; bench/store.py: rows keyed by gpu, torch, commit and date), redraws decode.png (decode-ab.png)
+from it, and prints a table.
 
-Result JSON: {date, gpu, capability, torch, cuda, cudnn, commit, device, rows: [...]}; each row has
+The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, device, tune_fields}; each row has
   B, S, H, Sq, page, dtype, tune: the case (tune = set_tuning's arguments in order, TUNE_FIELDS; AUTO = automatic)
   kernel_us, kernel_GBps, kernel_TFps   decode() with its own schedule, on a stream
   graph_us, graph_GBps                  the same, replayed from a CUDA graph
@@ -23,7 +25,9 @@ Result JSON: {date, gpu, capability, torch, cuda, cudnn, commit, device, rows: [
   plan_graph_us                         decode_schedule() alone (the metadata kernel), graph replay
   sdpa_us, sdpa_GBps, sdpa_TFps         the SDPA baseline (or sdpa_error); max_abs_diff_vs_sdpa (Sq = 1)
 
-    python bench/bench_decode.py [--quick] [--sweep] [--out FILE.json]   # default: bench/results/decode-<date>-<gpu>-<commit>.json
+    python bench/bench_decode.py [--quick] [--sweep]
+    python bench/bench_decode.py --out FILE.json   # this run alone to FILE.json (+ .png), not to the store
+    python bench/bench_decode.py --replot [FILE]   # only redraw the PNG of the latest run (default: decode store)
     python bench/bench_decode.py --quick --no-sdpa --ab 0,0,0,-1,-1,-1,-1,-1,0 --rounds 3
         # A/B in one process: each case with automatic tuning and with these set_tuning arguments, alternating
 """
@@ -44,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 from mla_autograd._build import load_family  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_ms, median_ms, stamp, write  # noqa: E402
+from common import graph_ms, median_ms, stamp  # noqa: E402
+from store import latest_rows, load, record, store_path  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
 TUNE_FIELDS = ("stages", "ctas_per_sm", "max_m_tile", "split_loaders", "qk_narrow", "ws", "pdl", "qk_mbar", "wide")
@@ -120,7 +125,8 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing result JSON")
+    ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
+                    help="only redraw the PNG of the latest run in a results file (default the decode store)")
     ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time launch-config variants (set_tuning)")
@@ -130,10 +136,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1, help="with --ab: rounds")
     ap.add_argument("--case", action="append", default=None, metavar="B,S,H[,Sq]",
                     help="time these cases (bf16, page 64) instead of the default list; repeatable")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
+    ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     args = ap.parse_args(argv)
-    if args.replot:
-        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_suffix(".png"))
+    if args.replot is not None:
+        src = Path(args.replot) if args.replot else store_path("decode", args.results)
+        plot(latest_rows(load(src)), src.with_suffix(".png"))
         return
     ext = load_family("mla_decode_sm80")
     cases = [
@@ -167,6 +175,7 @@ def main(argv=None):
         ab = tuple(int(x) for x in args.ab.split(","))
         cases = [dict(c, tune=t, sdpa=False, round=r) for r in range(args.rounds) for c in cases
                  for t in ((AUTO, ab) if r % 2 == 0 else (ab, AUTO))]
+    meta = stamp()  # at the start: the run's date is when it began
     rows = []
     for c in cases:
         c.setdefault("tune", AUTO)
@@ -191,14 +200,9 @@ def main(argv=None):
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
               f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
               f"{r['plan_graph_us']:7.1f} | {s}")
-    meta = stamp()
-    meta.update({"device": dev, "tune_fields": TUNE_FIELDS, "rows": rows})
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(meta, indent=1))
-    else:  # bench/results/decode[-sweep]-<date>-<gpu>-<commit>.json, like the other benchmarks
-        out = write("decode-sweep" if args.sweep else "decode", meta)
+    meta.update({"device": dev, "tune_fields": TUNE_FIELDS})
+    # A/B rows (each case twice per round, automatic and --ab tuning) have a store of their own
+    out = record("decode-ab" if args.ab else "decode", meta, rows, out=args.out, results=args.results)
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
 

@@ -11,8 +11,10 @@ Two measurements, median of CUDA-event timings:
    transformers: its latent DynamicCache (expand_kv over the whole cache every step), eager and sdpa.
 
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
-error and the rest go on. Results go to bench/results/layer-<date>-<gpu>-<commit>.json and .png
-(and stdout).
+error and the rest go on. A GPU run is added to the results store bench/results/layer.json (bench/store.py:
+one row per measurement and implementation, keyed by gpu, torch, commit and date) and bench/results/layer.png
+is redrawn from it; --out FILE writes the run alone to FILE (and its .png) instead, which a CPU smoke run
+needs to write anything (it never goes to the store). Results are printed as well.
 
     python bench/bench_layer.py                        # GPU, defaults above
     python bench/bench_layer.py --device cpu --small   # smoke test on a CPU
@@ -32,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -42,7 +45,8 @@ import mla_autograd  # noqa: E402
 from mla_autograd.nn import MultiHeadLatentAttention  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from common import stamp, write  # noqa: E402
+from common import stamp  # noqa: E402
+from store import latest_rows, load, record, store_path  # noqa: E402
 
 try:
     import transformers
@@ -266,8 +270,16 @@ def main(argv=None):
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the train rows under torch.compile")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="results folder")
+    ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
+    ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
+    ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
+                    help="only redraw the PNG of the latest run in a results file (default the layer store)")
     a = ap.parse_args(argv)
+    if a.replot is not None:
+        src = Path(a.replot) if a.replot else store_path("layer", a.results)
+        st = load(src)
+        _plot(latest_rows(st), src.with_suffix(".png"), _title(st["runs"][-1]))
+        return 0
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not a.small:
@@ -284,6 +296,7 @@ def main(argv=None):
     import warnings
     warnings.filterwarnings("ignore", message=r"mla_autograd: .* reference path")  # backends are printed
 
+    out = stamp()  # at the start: the run's date is when it began
     results, backends = {}, {}
     if not a.skip_train:
         bench_train(a, device, dtype, results, backends)
@@ -301,7 +314,6 @@ def main(argv=None):
             other = results.get(f"{what}/{other_key}", {}).get("median_ms")
             if ours_c and other:
                 print(f"{what}: speedup of mla_autograd+compile over {other_key}: {other / ours_c:.2f}x")
-    out = stamp()
     out.update({
         "bench": "bench_layer",
         "transformers": getattr(transformers, "__version__", None),
@@ -310,17 +322,29 @@ def main(argv=None):
                                               "batch", "seqlen", "decode_batch", "decode_len", "page_size",
                                               "warmup", "iters", "compile")},
         "backends": backends,
-        "results": results,
     })
     if device.type != "cuda":
         out["gpu"] = "cpu"
-    path = write("layer", out, a.out)
-    _plot(results, path.with_suffix(".png"), f"{out['gpu']}, torch {out['torch']}, commit {out['commit']}")
+        if a.out is None:  # a CPU smoke run: its numbers mean nothing beside the GPU runs of the store
+            print("not written (a CPU run goes to a file only with --out)")
+            return 0
+    rows = result_rows(results)
+    path = record("layer", out, rows, out=a.out, results=a.results)
+    _plot(rows, path.with_suffix(".png"), _title(out))
     print(f"wrote {path}")
     return 0
 
 
-def _plot(results: dict, path, title: str) -> None:
+def result_rows(results: dict) -> list[dict]:
+    """{"<measure>/<impl>": {median_ms, ...}} -> rows {"measure", "impl", median_ms, ...} (the store's layout)."""
+    return [{"measure": k.split("/", 1)[0], "impl": k.split("/", 1)[1], **v} for k, v in results.items()]
+
+
+def _title(run: dict) -> str:
+    return f"{run['gpu']}, torch {run['torch']}, commit {run['commit']}"
+
+
+def _plot(rows: list, path, title: str) -> None:
     """Median ms per implementation, one panel per measurement."""
     try:
         import matplotlib
@@ -329,14 +353,13 @@ def _plot(results: dict, path, title: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    whats = [w for w in ("train_fwd", "train_fwd_bwd", "decode_step") if any(k.startswith(w + "/") for k in results)]
+    whats = [w for w in ("train_fwd", "train_fwd_bwd", "decode_step") if any(r["measure"] == w for r in rows)]
     if not whats:
         return
     fig, axes = plt.subplots(1, len(whats), figsize=(4.5 * len(whats), 4), squeeze=False)
     for ax, w in zip(axes[0], whats):
-        rows = [(k.split("/", 1)[1], v["median_ms"]) for k, v in results.items()
-                if k.startswith(w + "/") and isinstance(v, dict) and "median_ms" in v]
-        ax.bar([n for n, _ in rows], [t for _, t in rows])
+        bars = [(r["impl"], r["median_ms"]) for r in rows if r["measure"] == w and "median_ms" in r]
+        ax.bar([n for n, _ in bars], [t for _, t in bars])
         ax.set_title(w)
         ax.set_ylabel("median ms (lower is better)")
         ax.tick_params(axis="x", labelsize=7, rotation=15)

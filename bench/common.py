@@ -1,16 +1,15 @@
-"""Shared benchmarking helpers: timing, environment stamp, result files."""
+"""Shared benchmarking helpers: timing, the environment stamp of a run, power sampling. Results go to the
+results store (store.py)."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def median_ms(fn, warmup_ms: float = 50, rep_ms: float = 250) -> float:
@@ -66,6 +65,7 @@ def commit() -> str:
 
 
 def stamp() -> dict:
+    """The run's key (gpu, torch, commit, date: UTC start time) and environment, for store.record."""
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -75,17 +75,11 @@ def stamp() -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "commit": commit(),
+        "args": " ".join(sys.argv[1:]),  # the bench's command line: which mode (--sweep, --quick, ...) ran
+        # the kernels' run-time knobs (MLA_FWD_SM90_SCHED, MLA_BWD_SM90_L2_GROUP, ...) this run was under
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("MLA_") and k not in ("MLA_COMMIT", "MLA_AUTOGRAD_CACHE")},
     }
-
-
-def write(name: str, payload: dict, out_dir: Path | None = None) -> Path:
-    out_dir = Path(out_dir or RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    day = payload.get("date", "")[:10]
-    gpu = payload.get("gpu", "gpu").replace(" ", "-")
-    path = out_dir / f"{name}-{day}-{gpu}-{payload.get('commit', 'x')}.json"
-    path.write_text(json.dumps(payload, indent=1))
-    return path
 
 
 class PowerSampler:

@@ -1,7 +1,8 @@
 """JIT build of the CUDA kernel families.
 
-Each family is one extension module built from ``csrc/<dir>/<family>*.{cu,cpp}`` with its own
-architecture flags, so an sm_100a instantiation never sees an sm_80 flag and vice versa. Modules
+Each family (the registry in ``_kernels``) is one extension module built from
+``csrc/<dir>/<family>*.{cu,cpp}`` with its own build targets, so an sm_100f instantiation never sees an
+sm_80 flag and vice versa. Modules
 are built on first use with torch.utils.cpp_extension + ninja into a cache directory whose name
 hashes the sources (headers included), the flags, and the torch / CUDA / CUTLASS versions; a file
 lock serialises concurrent builds of the same family. ``python -m mla_autograd.build`` prebuilds
@@ -10,7 +11,6 @@ lock serialises concurrent builds of the same family. ``python -m mla_autograd.b
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -21,53 +21,9 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from ._kernels import FAMILIES, Family  # the registry: sources, build targets, what each family serves
+
 __all__ = ["FAMILIES", "Family", "load_family", "family_available", "csrc_dir", "cutlass_dirs"]
-
-# gencode flag per architecture name; "a" targets enable wgmma/setmaxnreg (sm_90a) and tcgen05 (sm_100a).
-_GENCODE = {
-    "sm_80": "-gencode=arch=compute_80,code=sm_80",
-    "sm_90": "-gencode=arch=compute_90,code=sm_90",
-    "sm_90a": "-gencode=arch=compute_90a,code=sm_90a",
-    "sm_100a": "-gencode=arch=compute_100a,code=sm_100a",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One kernel family = one extension module.
-
-    name: module/family name, also the prefix of its source files.
-    subdir: directory under csrc/ holding the sources.
-    archs: architectures every build of this family targets.
-    capabilities: compute capabilities (major, minor) the built code runs on.
-    """
-
-    name: str
-    subdir: str
-    archs: tuple[str, ...]
-    capabilities: tuple[tuple[int, int], ...]
-
-    def sources(self) -> list[Path]:
-        d = csrc_dir() / self.subdir
-        if not d.is_dir():
-            return []
-        return sorted(p for p in d.iterdir()
-                      if p.name.startswith(self.name) and p.suffix in (".cu", ".cpp"))
-
-    def matches_arch(self, arch: str) -> bool:
-        # "sm_90" and "sm_90a" name the same chip for the purpose of choosing what to build.
-        base = arch.rstrip("a")
-        return any(a.rstrip("a") == base for a in self.archs)
-
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("fmha_fwd_sm90", "sm90", ("sm_90a",), ((9, 0),)),
-    Family("fmha_bwd_sm90", "sm90", ("sm_90a",), ((9, 0),)),
-    Family("fmha_fwd_sm100", "sm100", ("sm_100a",), ((10, 0),)),
-    Family("fmha_bwd_sm100", "sm100", ("sm_100a",), ((10, 0),)),
-    # mma.sync/cp.async/ldmatrix code: native sm_80 and sm_90 cubins; the sm_80 cubin also runs on 8.6/8.9.
-    Family("mla_decode_sm80", "sm80", ("sm_80", "sm_90"), ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))),
-)}
 
 
 def csrc_dir() -> Path:
@@ -161,7 +117,7 @@ def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--expt-extended-lambda",
             "-lineinfo", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
-    nvcc += [_GENCODE[a] for a in fam.archs]
+    nvcc += fam.gencode_flags()
     if ptxas_verbose:
         nvcc.append("-Xptxas=-v")
     return includes, cflags, nvcc

@@ -1,8 +1,10 @@
 """The one dispatch table: which backend serves which (arch, dtype, head dims, features).
 
 Rows are tried in order; the first whose conditions all hold serves the call. The pure-PyTorch
-reference is the last row of every op and accepts anything. ``explain`` reports the chosen row and
-why every earlier row was passed over, so a user can see which path will run and why.
+reference is the last row of every op and accepts anything. What a kernel family serves (compute
+capabilities, dtypes, head dims) is read from the family registry (``_kernels.FAMILIES``); a row adds
+only the conditions specific to it. ``explain`` reports the chosen row and why every earlier row was
+passed over, so a user can see which path will run and why.
 
 Environment:
   MLA_AUTOGRAD_BACKEND=reference   always use the reference path.
@@ -11,6 +13,7 @@ Environment:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -20,51 +23,74 @@ from typing import Callable
 import torch
 
 from . import _build
+from ._kernels import FAMILIES
 
 __all__ = ["Call", "Route", "Decision", "TABLE", "select", "explain_call"]
-
-KERNEL_DTYPES = frozenset({torch.bfloat16, torch.float16})
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a dispatch decision depends on (metadata only: no tensor values are read)."""
+    """What a dispatch decision depends on: metadata only (no tensor values are read), and only what some
+    row of the table reads, so the memo of decisions stays small (no sequence lengths or token counts)."""
 
     op: str                       # "attn_fwd", "attn_bwd" or "decode"
     device: torch.device
     dtype: torch.dtype
     dims: tuple[int, int]         # (Dqk, Dv) for attention; (Dc, Dr) for decode
     causal: bool = False
+    bottom_right: bool = True     # attention: the causal alignment
     varlen: bool = False
     num_heads: int = 0            # query heads
     num_kv_heads: int = 0
-    seqlen_q: int = 0             # Sq (decode: new tokens per request)
+    seqlen_q: int = 0             # decode only: new tokens per request
     page_size: int = 0            # decode only
     deterministic: bool = False
+    # attention: every sequence has as many queries as keys, known from metadata alone (dense Sq == Sk, or
+    # varlen with one cu_seqlens tensor for queries and keys); both causal alignments then coincide
+    seqlens_equal: bool = True
+    # attention: max_seqlen_q * Hq * Dv >= 2^31 (an int32 offset in the SM100 forward's epilogue overflows)
+    out_rows_over_int32: bool = False
 
     @property
     def capability(self) -> tuple[int, int] | None:
         if self.device.type != "cuda":
             return None
-        return torch.cuda.get_device_capability(self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return _capability(index)
+
+
+    @property
+    def smem_per_block(self) -> int:
+        """The device's opt-in shared memory per block, in bytes (0 off CUDA)."""
+        if self.device.type != "cuda":
+            return 0
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return _smem_per_block(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_block(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     """One row of the table.
 
-    op: which op it serves; backend: short name; family: kernel family (None = reference).
-    capability: predicate on the device's (major, minor); dtypes / dims: accepted sets (None = any);
+    op: which op it serves; backend: short name; family: kernel family (None = the reference path).
+    The compute capabilities, dtypes and head dims a family serves come from its registry entry: a
+    capability is served exactly when the family's build has an image that loads there.
     check: further conditions, returning a reason string when the call is not served (else None).
     """
 
     op: str
     backend: str
     family: str | None
-    capability: Callable[[tuple[int, int]], bool] | None
-    capability_text: str
-    dtypes: frozenset | None
-    dims: frozenset | None
     check: Callable[[Call], str | None] | None = None
     note: str = ""
 
@@ -72,15 +98,17 @@ class Route:
         """Why this row does not serve the call, or None if it does."""
         if self.family is None:
             return None
+        fam = FAMILIES[self.family]
         cap = call.capability
         if cap is None:
             return f"tensors are on {call.device.type}, kernels need CUDA"
-        if not self.capability(cap):
-            return f"needs compute capability {self.capability_text}, device has {cap[0]}.{cap[1]}"
-        if self.dtypes is not None and call.dtype not in self.dtypes:
+        if not fam.serves(cap):
+            return (f"needs compute capability {fam.capability_text()}, device has {cap[0]}.{cap[1]} "
+                    f"(its build: {', '.join(fam.targets)})")
+        if call.dtype not in fam.dtypes:
             return f"dtype {str(call.dtype).replace('torch.', '')} (kernels take bfloat16/float16)"
-        if self.dims is not None and call.dims not in self.dims:
-            return f"head dims {call.dims} not in {sorted(self.dims)}"
+        if call.dims not in fam.dims:
+            return f"head dims {call.dims} not in {sorted(fam.dims)}"
         if self.check is not None:
             why = self.check(call)
             if why:
@@ -99,36 +127,63 @@ def _decode_check(call: Call) -> str | None:
     ps = call.page_size
     if ps < 1 or ps > 256 or ps & (ps - 1):
         return f"page_size {ps} is not a power of two in 1..256"
+    rows = call.num_heads * call.seqlen_q
+    need = decode_min_smem_bytes(rows)
+    if call.smem_per_block < need:
+        return (f"H x Sq = {rows} query rows need {need} B of shared memory per block for the kernel's "
+                f"{_decode_m_tile(rows)}-row tile, the device offers {call.smem_per_block} B")
+    return None
+
+
+def _decode_m_tile(rows: int) -> int:
+    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
+
+
+def decode_min_smem_bytes(rows: int) -> int:
+    """Shared memory (bytes) the decode kernel needs at its fewest pipeline stages for H x Sq = rows: the
+    all-warps kernel's TileConfig<m_tile>::smem_bytes(kMinStages) plus its static slot
+    (csrc/sm80/mla_decode_sm80_config.h). 95,360 B for 16 rows, which every 8.x part offers; 32 and 64 rows
+    need more than the 99 KB of 8.6/8.9/12.0 parts."""
+    m_tile, row_bytes, bn, stages = _decode_m_tile(rows), 576 * 2, 32, 2
+    qk_warp_cols = min(8 // (m_tile // 16), bn // 8)
+    return (m_tile * row_bytes + stages * bn * row_bytes + m_tile * (bn + 8) * 2 + 2 * qk_warp_cols * m_tile * 4
+            + 10 * bn * 4 + 128)
+
+
+def _sm100_fwd_check(call: Call) -> str | None:
+    if call.out_rows_over_int32:
+        return ("max_seqlen_q x query heads x Dv >= 2^31: CUTLASS example 77's forward epilogue offsets the "
+                "output pointer by that product in int32")
     return None
 
 
 def _sm100_bwd_check(call: Call) -> str | None:
     if call.deterministic:
         return "deterministic=True (its dQ is reduced across key tiles in no fixed order)"
+    if call.causal and not call.bottom_right and call.dims == (192, 128) and not call.seqlens_equal:
+        # CUTLASS 4.2 example 77's MLA backward (64-row Q tiles, 128-key blocks) masks only the Q tile whose
+        # index equals the key block's, so tiles 2j and 2j+1 of key block j go unmasked. Its bottom-right
+        # masking is right, and equals top-left where every sequence has as many queries as keys.
+        return ("causal_align='top_left' with Sq != Sk at head dims (192, 128): the SM100 MLA backward kernel's "
+                "top-left diagonal masking is wrong, so it runs only where bottom-right masking is the same "
+                "(Sq == Sk, or one cu_seqlens tensor for queries and keys)")
     return None
 
 
-_ATTN_DIMS_SM90 = frozenset({(192, 128), (128, 128), (64, 64)})
-_ATTN_DIMS_SM100 = frozenset({(192, 128), (128, 128)})
-
 TABLE: tuple[Route, ...] = (
-    Route("attn_fwd", "sm100", "fmha_fwd_sm100", lambda c: c[0] == 10, "10.x",
-          KERNEL_DTYPES, _ATTN_DIMS_SM100, note="CUTLASS example-77 tcgen05/TMEM forward (compiled, not run here)"),
-    Route("attn_fwd", "sm90", "fmha_fwd_sm90", lambda c: c == (9, 0), "9.0",
-          KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized forward"),
-    Route("attn_fwd", "reference", None, None, "any", None, None, note="pure PyTorch"),
-    Route("attn_bwd", "sm100", "fmha_bwd_sm100", lambda c: c[0] == 10, "10.x",
-          KERNEL_DTYPES, _ATTN_DIMS_SM100, _sm100_bwd_check,
-          note="CUTLASS example-77 tcgen05/TMEM backward (compiled, not run here)"),
-    Route("attn_bwd", "sm90", "fmha_bwd_sm90", lambda c: c == (9, 0), "9.0",
-          KERNEL_DTYPES, _ATTN_DIMS_SM90, note="wgmma + TMA warp-specialized backward"),
-    Route("attn_bwd", "reference", None, None, "any", None, None, note="pure PyTorch (explicit FlashAttention backward)"),
-    Route("decode", "sm80_decode", "mla_decode_sm80", lambda c: c >= (8, 0), ">= 8.0",
-          KERNEL_DTYPES, frozenset({(512, 64)}), _decode_check,
+    Route("attn_fwd", "sm100", "fmha_fwd_sm100", _sm100_fwd_check,
+          note="CUTLASS example-77 tcgen05/TMEM forward (compiled, never run on hardware)"),
+    Route("attn_fwd", "sm90", "fmha_fwd_sm90", note="wgmma + TMA warp-specialized forward"),
+    Route("attn_fwd", "reference", None, note="pure PyTorch"),
+    Route("attn_bwd", "sm100", "fmha_bwd_sm100", _sm100_bwd_check,
+          note="CUTLASS example-77 tcgen05/TMEM backward (compiled, never run on hardware)"),
+    Route("attn_bwd", "sm90", "fmha_bwd_sm90", note="wgmma + TMA warp-specialized backward"),
+    Route("attn_bwd", "reference", None, note="pure PyTorch (explicit FlashAttention backward)"),
+    Route("decode", "sm80_decode", "mla_decode_sm80", _decode_check,
           note="mma.sync paged MLA decode; H * Sq <= 32: warp-specialized kernel (QK/softmax warps + PV warps, "
                "1 CTA/SM) where 3 of its stages fit in smem; 64-row tiles: the row-group kernel (64 KV tokens per "
                "step, two 4-warp groups of 32 rows) where it fits (sm_90); otherwise the all-warps kernel"),
-    Route("decode", "reference", None, None, "any", None, None, note="pure PyTorch"),
+    Route("decode", "reference", None, note="pure PyTorch"),
 )
 
 

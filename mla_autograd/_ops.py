@@ -8,6 +8,7 @@ by the functional API.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -31,19 +32,39 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
 
 
 def _kernel_ready(t: Tensor) -> Tensor:
-    """Unit last stride, other strides multiples of 8 elements (16-byte TMA/cp.async strides), 16-byte
-    aligned base: what every kernel family assumes. Anything else is copied once here."""
+    """Unit last stride, other strides positive multiples of 8 elements (16-byte TMA/cp.async strides), 16-byte
+    aligned base: what every kernel family assumes. Anything else (an expanded, stride-0 view too) is copied
+    once here."""
     ok = t.stride(-1) == 1 or t.shape[-1] == 1
-    ok = ok and all((s % 8 == 0) or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    ok = ok and all((s > 0 and s % 8 == 0) or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
     ok = ok and t.data_ptr() % 16 == 0
     return t if ok else t.contiguous()
 
 
-def attention_call(op: str, q: Tensor, k: Tensor, v: Tensor, varlen: bool, causal: bool,
-                   deterministic: bool = False) -> Call:
+_INT32_MAX = 2**31 - 1
+
+
+def attention_call(op: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bottom_right: bool,
+                   cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                   max_seqlen_q: Optional[int] = None, deterministic: bool = False,
+                   varlen: Optional[bool] = None) -> Call:
+    """The dispatch Call of an attention forward / backward: metadata only, no tensor values are read.
+    varlen defaults to whether cu_seqlens_q is given (explain() may say varlen without the tensors)."""
+    if varlen is None:
+        varlen = cu_seqlens_q is not None
+    if varlen:
+        # one tensor for both (or a view of it): every sequence has as many queries as keys
+        seqlens_equal = cu_seqlens_q is not None and cu_seqlens_k is not None and \
+            cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr() and cu_seqlens_q.shape == cu_seqlens_k.shape and \
+            cu_seqlens_q.stride() == cu_seqlens_k.stride()
+        rows_q = max_seqlen_q if max_seqlen_q is not None else q.shape[0]
+    else:
+        seqlens_equal = q.shape[1] == k.shape[1]
+        rows_q = q.shape[1]
     return Call(op=op, device=q.device, dtype=q.dtype, dims=(q.shape[-1], v.shape[-1]), causal=causal,
-                varlen=varlen, num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
-                seqlen_q=q.shape[-3], deterministic=deterministic)
+                bottom_right=bottom_right, varlen=varlen, num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
+                deterministic=deterministic, seqlens_equal=bool(seqlens_equal),
+                out_rows_over_int32=rows_q * q.shape[-2] * v.shape[-1] > _INT32_MAX)
 
 
 def decode_call(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Call:
@@ -63,6 +84,18 @@ def _empty_problem(q: Tensor, k: Tensor) -> bool:
     return q.numel() == 0 or k.shape[-3] == 0
 
 
+def _new_out(q: Tensor, v: Tensor, family: str, max_rows_q: int) -> Tensor:
+    """The forward's output (q.shape[:-1] + (Dv,), contiguous). For fmha_fwd_sm100 it is a view that starts
+    max_rows_q rows (of Hq * Dv elements) into its own allocation: CUTLASS example 77's varlen epilogue
+    builds its output descriptor that many rows before the output, and with the padding allocated here
+    the kernel writes the result in place instead of through a staging copy."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    if family != "fmha_fwd_sm100":
+        return q.new_empty(shape)
+    pad = max_rows_q * q.shape[-2] * v.shape[-1]
+    return q.new_empty(pad + math.prod(shape))[pad:].view(shape)
+
+
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
              bottom_right: bool) -> tuple[Tensor, Tensor]:
@@ -70,13 +103,14 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     if _empty_problem(q, k):
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         return out, torch.full(_lse_shape(q, varlen), float("-inf"), dtype=_lse_dtype(q), device=q.device)
-    d = select(attention_call("attn_fwd", q, k, v, varlen, causal))
+    d = select(attention_call("attn_fwd", q, k, v, causal=causal, bottom_right=bottom_right, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q))
     if d.family is None:
         return reference.attention_forward(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right)
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    out = _new_out(q, v, d.family, max_seqlen_q if varlen else q.shape[1])
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     _build.load_family(d.family).fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, softmax_scale, causal, bottom_right)
@@ -102,7 +136,8 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     varlen = cu_seqlens_q is not None
     if _empty_problem(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    d = select(attention_call("attn_bwd", q, k, v, varlen, causal, deterministic))
+    d = select(attention_call("attn_bwd", q, k, v, causal=causal, bottom_right=bottom_right, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, deterministic=deterministic))
     if d.family is None:
         return reference.attention_backward(
             dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

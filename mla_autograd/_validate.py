@@ -111,8 +111,9 @@ def softmax_scale_or_default(softmax_scale, dqk: int) -> float:
         return 1.0 / math.sqrt(dqk)
     if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    # The one rule of every path (each kernel family's host layer checks the same: csrc/common/checks.h).
+    if isinstance(softmax_scale, bool) or not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -161,12 +162,20 @@ def check_explain(q, k, v, varlen: bool) -> None:
 def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """Packed q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv), cu_seqlens int32 (B+1,)."""
     _check_qkv(q, k, v, 3)
+    _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q, q.shape[0], k.shape[0])
+
+
+def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ref_name: str,
+                          ref: torch.Tensor, total_q: int, total_k: int) -> None:
+    """cu_seqlens_q/k int32 (B+1,) on ref's device, starting at 0, non-decreasing, ending at the packed
+    token counts total_q / total_k; max_seqlen_q/k ints at least the longest sequence. The value checks
+    are computed on ref's device and cost one 8-byte device-to-host copy (see the module docstring)."""
     for n, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(n, cu, 1)
         if cu.dtype != torch.int32:
             raise TypeError(f"{n} must be int32, got {_name(cu.dtype)}")
-        if cu.device != q.device:
-            raise ValueError(f"{n} is on {cu.device} but q is on {q.device}")
+        if cu.device != ref.device:
+            raise ValueError(f"{n} is on {cu.device} but {ref_name} is on {ref.device}")
         if cu.numel() < 1:
             raise ValueError(f"{n} must have length batch_size + 1 >= 1, got 0")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -174,9 +183,9 @@ def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{cu_seqlens_k.numel()}) must both have length batch_size + 1")
     for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _check_count(n, m)
-    if check_values_enabled(VARLEN_CHECK_VALUES, q, cu_seqlens_q, cu_seqlens_k):
-        _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
-                                  ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)))
+    if check_values_enabled(VARLEN_CHECK_VALUES, ref, cu_seqlens_q, cu_seqlens_k):
+        _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+                                  ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)))
 
 
 def _check_cu_seqlens_values(specs) -> None:
@@ -226,6 +235,62 @@ def check_decode_explain(q_nope, q_pe, ckv_cache) -> None:
         raise ValueError(f"ckv_cache last dim {ckv_cache.shape[2]} must equal q_nope head dim {q_nope.shape[3]}")
     if ckv_cache.shape[1] < 1:
         raise ValueError("ckv_cache page_size (dim 1) must be >= 1")
+
+
+def _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, rank: int) -> None:
+    names = (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v))
+    for n, t in names:
+        _check_tensor(n, t, rank)
+    _check_float("q_nope", q_nope)
+    for n, t in names[1:]:
+        _same(n, t, "q_nope", q_nope)
+    for n, t in names:
+        _check_last_stride(n, t)
+    lead = "(B, Sq, Hq)" if rank == 4 else "(Tq, Hq)"
+    if q_pe.shape[:-1] != q_nope.shape[:-1]:
+        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} must match q_nope shape {tuple(q_nope.shape)} in {lead}")
+    lead = "(B, Sk, Hkv)" if rank == 4 else "(Tk, Hkv)"
+    if v.shape[:-1] != k_nope.shape[:-1]:
+        raise ValueError(f"v shape {tuple(v.shape)} must match k_nope shape {tuple(k_nope.shape)} in {lead}")
+    if rank == 4 and k_nope.shape[0] != q_nope.shape[0]:
+        raise ValueError(f"k_nope batch size {k_nope.shape[0]} must equal q_nope batch size {q_nope.shape[0]}")
+    hq, hkv = q_nope.shape[-2], k_nope.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"number of query heads ({hq}, q_nope) must be a multiple of the number of "
+                         f"key/value heads ({hkv}) in k_nope and v")
+    lead = "(B, Sk)" if rank == 4 else "(Tk,)"
+    if k_pe.shape[:-2] != k_nope.shape[:-2]:
+        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} must match k_nope shape {tuple(k_nope.shape)} in {lead}")
+    if k_pe.shape[-2] not in (1, hkv):
+        raise ValueError(f"k_pe must have 1 head (the rope key shared by every head) or as many as k_nope "
+                         f"({hkv}), got {k_pe.shape[-2]}")
+    if k_nope.shape[-1] != q_nope.shape[-1]:
+        raise ValueError(f"k_nope head dim {k_nope.shape[-1]} must equal q_nope head dim {q_nope.shape[-1]}")
+    if k_pe.shape[-1] != q_pe.shape[-1]:
+        raise ValueError(f"k_pe head dim {k_pe.shape[-1]} must equal q_pe head dim {q_pe.shape[-1]}")
+    for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("v", v)):
+        if t.shape[-1] == 0:
+            raise ValueError(f"{n} head dim must be positive, got 0")
+
+
+def check_mla_attention(q_nope, q_pe, k_nope, k_pe, v) -> None:
+    """q_nope (B, Sq, Hq, Dn), q_pe (B, Sq, Hq, Dr), k_nope (B, Sk, Hkv, Dn), k_pe (B, Sk, 1 or Hkv, Dr),
+    v (B, Sk, Hkv, Dv)."""
+    _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 4)
+
+
+def check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, varlen: bool) -> None:
+    """What explain_mla checks: the tensor checks of mla_attention (or mla_attention_varlen's packed parts)."""
+    _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 3 if varlen else 4)
+
+
+def check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k) -> None:
+    """Packed q_nope (Tq, Hq, Dn), q_pe (Tq, Hq, Dr), k_nope (Tk, Hkv, Dn), k_pe (Tk, 1 or Hkv, Dr),
+    v (Tk, Hkv, Dv); cu_seqlens as in check_attention_varlen."""
+    _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 3)
+    _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q_nope", q_nope,
+                          q_nope.shape[0], k_nope.shape[0])
 
 
 def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, *,

@@ -1,5 +1,8 @@
-"""Public functional API: attention, attention_varlen, decode, decode_schedule, explain."""
+"""Public functional API: attention, attention_varlen, mla_attention, mla_attention_varlen, decode,
+decode_schedule, explain, explain_mla, explain_decode."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -10,8 +13,8 @@ from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
 from .schedule import DecodeSchedule
 
-__all__ = ["attention", "attention_varlen", "decode", "decode_schedule", "DecodeSchedule", "explain",
-           "explain_decode"]
+__all__ = ["attention", "attention_varlen", "mla_attention", "mla_attention_varlen", "decode", "decode_schedule",
+           "DecodeSchedule", "explain", "explain_mla", "explain_decode"]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_align: str = "bottom_right",
@@ -75,6 +78,111 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
                                             int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), bottom_right,
                                             bool(deterministic), record_call_site(q, k, v))
+    return (out, lse) if return_lse else out
+
+
+# ---- MLA-shaped inputs: the query/key split into a "nope" part and a rope part ----
+
+# How mla_attention's parts reach a backend, and why (what explain_mla reports). There is one path today.
+MLA_PATH = "concat"
+MLA_PATH_REASON = ("q = [q_nope, q_pe] and k = [k_nope, k_pe expanded to Hkv heads] are built at the boundary "
+                   "(one copy of each); no backend reads the parts in place")
+
+
+def _concat_boundary(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+    """q (..., Hq, Dn + Dr) and k (..., Hkv, Dn + Dr) from the parts, for backends that take q and k whole.
+
+    k_pe with one head is expanded (a stride-0 view, no copy) to k_nope's Hkv heads before the one
+    concatenation that writes k, so the shared rope key is materialised only inside k. Autograd runs
+    through cat and expand: dq/dk are split back into the parts, and dk_pe of a one-head k_pe is the
+    sum over the heads that shared it.
+    """
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    if k_pe.shape[-2] != k_nope.shape[-2]:
+        k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
+    k = torch.cat([k_nope, k_pe], dim=-1)
+    return q, k
+
+
+def _mla_dispatch(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
+                  deterministic: bool) -> tuple[Tensor, Tensor]:
+    """The one place where mla_attention / mla_attention_varlen choose how validated parts reach a backend.
+
+    Every backend (kernels and reference) takes q and k whole today, so this builds them with
+    _concat_boundary (path MLA_PATH) and runs the attention autograd Function on the result, on every
+    device and dtype; the attention dispatch table then picks the backend for (Dn + Dr, Dv) as it does for
+    `attention`. A backend that reads q_nope/q_pe/k_nope/k_pe in place replaces the concatenation here
+    (and says so in MLA_PATH / explain_mla). Returns (out, lse) as FusedAttentionFunction does.
+    """
+    q, k = _concat_boundary(q_nope, q_pe, k_nope, k_pe)
+    # q and k are fresh tensors; v or one cu_seqlens for both sides may still alias (see distinct_inputs)
+    return FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
+                                        max_seqlen_k, softmax_scale, causal, bottom_right, deterministic,
+                                        record_call_site(q, k, v))
+
+
+def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,
+                  causal_align: str = "bottom_right", softmax_scale: float | None = None,
+                  deterministic: bool = False, return_lse: bool = False):
+    """Attention with MLA's split query/key: scores softmax_scale * (q_nope.k_nope + q_pe.k_pe).
+
+    The same result and gradients as
+    ``attention(cat([q_nope, q_pe], -1), cat([k_nope, k_pe.expand(B, Sk, Hkv, Dr)], -1), v, ...)``, with
+    the gradient of a one-head k_pe summed over the heads that share it.
+
+    Args:
+        q_nope: (B, Sq, Hq, Dn) bfloat16/float16 (kernels) or float32/float64 (reference path); the
+            non-rotary query part (Dn = qk_nope_head_dim, 128 in DeepSeek-V2/V3).
+        q_pe: (B, Sq, Hq, Dr), same dtype and device: the rotary query part (Dr = qk_rope_head_dim, 64).
+        k_nope: (B, Sk, Hkv, Dn); Hq must be a multiple of Hkv (GQA/MQA: query head h uses key/value
+            head h // (Hq // Hkv)).
+        k_pe: (B, Sk, 1, Dr), the roped key shared by every head (as MLA computes it), or (B, Sk, Hkv, Dr).
+        v: (B, Sk, Hkv, Dv) (Dv = v_head_dim, 128).
+            All five may be non-contiguous (e.g. splits of one projection) as long as the last dim has
+            stride 1.
+        causal, causal_align, deterministic, return_lse: as in `attention`.
+        softmax_scale: default 1/sqrt(Dn + Dr).
+
+    Returns:
+        out (B, Sq, Hq, Dv) in q_nope's dtype; with return_lse also lse (B, Hq, Sq) float32 (float64 for
+        float64 inputs), not differentiable.
+
+    Today the parts are concatenated at the boundary on every backend (one copy of q and of k, the shared
+    rope key written once per kv head); the kernels then serve (Dn + Dr, Dv) as `attention` does.
+    `explain_mla` says which path and backends a call uses.
+    """
+    V.check_mla_attention(q_nope, q_pe, k_nope, k_pe, v)
+    scale = V.softmax_scale_or_default(softmax_scale, q_nope.shape[-1] + q_pe.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = _mla_dispatch(q_nope, q_pe, k_nope, k_pe, v, None, None, q_nope.shape[1], k_nope.shape[1], scale,
+                             bool(causal), bottom_right, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def mla_attention_varlen(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                         causal_align: str = "bottom_right", softmax_scale: float | None = None,
+                         deterministic: bool = False, return_lse: bool = False):
+    """`mla_attention` over packed variable-length sequences (no padding).
+
+    Args:
+        q_nope: (Tq, Hq, Dn), q_pe: (Tq, Hq, Dr): the B query sequences concatenated.
+        k_nope: (Tk, Hkv, Dn), k_pe: (Tk, 1, Dr) (shared by every head) or (Tk, Hkv, Dr), v: (Tk, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q_nope's device, cumulative lengths starting at 0
+            and ending at Tq / Tk; lengths may be 0.
+        max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence.
+        Keywords as in `mla_attention`; the causal offset is taken per sequence.
+
+    Returns:
+        out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32 (float64 for float64 inputs).
+    """
+    V.check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k)
+    scale = V.softmax_scale_or_default(softmax_scale, q_nope.shape[-1] + q_pe.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = _mla_dispatch(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                             int(max_seqlen_k), scale, bool(causal), bottom_right, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -183,18 +291,24 @@ class Explanation:
     __repr__ = __str__
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, varlen: bool = False,
-            deterministic: bool = False) -> Explanation:
+def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_align: str = "bottom_right",
+            varlen: bool = False, cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+            max_seqlen_q: int | None = None, deterministic: bool = False) -> Explanation:
     """Say which backend `attention` / `attention_varlen` would use for these tensors, and why.
 
-    ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of
-    the dispatch table passed over with its reason. Reads only metadata. q, k, v are checked as the call
-    checks them (dense (B, S, H, D), or packed (T, H, D) with varlen=True): a call that would raise
+    Takes the arguments of the call it explains (cu_seqlens_* and max_seqlen_q for a varlen call; or
+    just ``varlen=True``, and then the answer assumes the two cu_seqlens are different tensors).
+    ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of the
+    dispatch table passed over with its reason. Reads only metadata. q, k, v are checked as the call
+    checks them (dense (B, S, H, D), or packed (T, H, D) for a varlen call): a call that would raise
     raises the same error here.
     """
-    V.check_explain(q, k, v, varlen)
-    return Explanation(explain_call(attention_call("attn_fwd", q, k, v, varlen, causal)),
-                       explain_call(attention_call("attn_bwd", q, k, v, varlen, causal, deterministic)))
+    V.check_explain(q, k, v, bool(varlen) or cu_seqlens_q is not None)
+    bottom_right = V.causal_bottom_right(causal_align)
+    kw = dict(causal=bool(causal), bottom_right=bottom_right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
+    return Explanation(explain_call(attention_call("attn_fwd", q, k, v, **kw)),
+                       explain_call(attention_call("attn_bwd", q, k, v, deterministic=bool(deterministic), **kw)))
 
 
 def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanation:
@@ -202,3 +316,36 @@ def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanati
     raise for these three tensors (their shapes, dtypes, devices, strides)."""
     V.check_decode_explain(q_nope, q_pe, ckv_cache)
     return Explanation(explain_call(decode_call(q_nope, q_pe, ckv_cache)))
+
+
+class MLAExplanation(Explanation):
+    """explain_mla's answer: ``path`` (how the parts reach a backend, MLA_PATH) and ``path_reason``, then
+    the forward and backward decisions of the attention dispatch table as in `explain`."""
+
+    def __init__(self, path: str, path_reason: str, *decisions):
+        super().__init__(*decisions)
+        self.path, self.path_reason = path, path_reason
+
+    def __str__(self):
+        return f"mla inputs: {self.path} ({self.path_reason})\n" + super().__str__()
+
+    __repr__ = __str__
+
+
+def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,
+                causal_align: str = "bottom_right", varlen: bool = False, cu_seqlens_q: Tensor | None = None,
+                cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+                deterministic: bool = False) -> MLAExplanation:
+    """Say how `mla_attention` / `mla_attention_varlen` would run for these tensors: the path of the parts
+    (``.path``, "concat" today) and the backends of the forward and backward (``.forward.backend``,
+    ``.backward.backend``) for the concatenated head dims (Dn + Dr, Dv). Keywords as in `explain`. Reads only
+    metadata; the five tensors are checked as the call checks them, so a call that would raise raises the
+    same error here."""
+    V.check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, bool(varlen) or cu_seqlens_q is not None)
+    dims = (q_nope.shape[-1] + q_pe.shape[-1], v.shape[-1])
+    kw = dict(causal=bool(causal), bottom_right=V.causal_bottom_right(causal_align), cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
+    calls = [dataclasses.replace(attention_call("attn_fwd", q_nope, k_nope, v, **kw), dims=dims),
+             dataclasses.replace(attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw),
+                                 dims=dims)]
+    return MLAExplanation(MLA_PATH, MLA_PATH_REASON, *(explain_call(c) for c in calls))

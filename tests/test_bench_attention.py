@@ -21,7 +21,8 @@ def bench(monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(mod, "stamp", lambda: {"gpu": "fake", "torch": "x", "cudnn": 0, "commit": "c0ffee"})
+    monkeypatch.setattr(mod, "stamp", lambda: {"gpu": "fake", "torch": "x", "cudnn": 0, "commit": "c0ffee",
+                                                "date": "2026-01-02T03:04:05Z"})
     monkeypatch.setattr(mod, "peers", lambda names=None: {"sdpa_cudnn": None})
     monkeypatch.setattr(mod, "plot", lambda rows, path: None)
     monkeypatch.setattr(mod, "PowerSampler", FakeSampler)
@@ -68,7 +69,7 @@ def test_rounds_alternate_order_and_take_the_median(bench, monkeypatch, tmp_path
         return rows
 
     monkeypatch.setattr(bench, "bench_one", fake_bench_one)
-    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--rounds", "3", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--rounds", "3", "--results", str(tmp_path)])
     bench.main()
 
     fwd_orders = [names for names, f, b in calls if f and not b]
@@ -78,12 +79,15 @@ def test_rounds_alternate_order_and_take_the_median(bench, monkeypatch, tmp_path
     assert fwd_orders == [ours_first] * 4 + [cudnn_first] * 4 + [ours_first] * 4
     assert bwd_orders == fwd_orders
 
-    (out,) = tmp_path.glob("attention-*.json")
+    (out,) = tmp_path.glob("*.json")  # the store, bench/store.py's layout: one run, its rows carrying its key
+    assert out.name == "attention.json"
     data = json.loads(out.read_text())
-    assert data["rounds"] == 3
+    (run,) = data["runs"]
+    assert run["rounds"] == 3 and (run["gpu"], run["commit"]) == ("fake", "c0ffee")
     rows = data["rows"]
     assert len(rows) == 8 and [r["impl"] for r in rows[:2]] == ours_first
     for r in rows:
+        assert (r["gpu"], r["torch"], r["commit"], r["date"]) == (run["gpu"], run["torch"], run["commit"], run["date"])
         ours = r["impl"] == "mla_autograd"
         assert r["bwd_ms_rounds"] == (ours_bwd if ours else cudnn_bwd)
         assert r["bwd_ms"] == statistics.median(ours_bwd if ours else cudnn_bwd)  # 4.0 / 5.0: neither last nor mean
@@ -118,3 +122,35 @@ def test_power_sampler_parses_nvidia_smi_lines(bench):
     assert t == datetime.datetime(2026, 11, 30, 16, 12, 24, 816000).timestamp()
     assert PowerSampler.parse("timestamp, clocks.current.sm [MHz], power.draw [W]") is None
     assert PowerSampler.parse("2026/11/30 16:12:24.816, [N/A], 692.31") is None
+
+
+def test_runs_go_to_the_store_or_to_out(bench, monkeypatch, tmp_path):
+    """Every run is added to the store (a rerun at a later date beside the first, the same run written again
+    replaced); --out writes the run alone to its own file and leaves the store as it was."""
+    def fake_bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
+        return [{"impl": n, "B": B, "H": H, "S": S, "dqk": dqk, "dv": dv, "causal": causal,
+                 **({"fwd_ms": 1.0, "fwd_tflops": 1.0} if do_fwd else {"bwd_ms": 2.0, "bwd_tflops": 1.0})}
+                for n in impls]
+
+    def run(date, *extra):
+        stamp = {"gpu": "fake", "torch": "x", "cudnn": 0, "commit": "c0ffee", "date": date}
+        monkeypatch.setattr(bench, "stamp", lambda: dict(stamp))
+        monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--rounds", "1", "--no-power", *extra])
+        bench.main()
+
+    monkeypatch.setattr(bench, "bench_one", fake_bench_one)
+    store = tmp_path / "attention.json"
+    run("2026-01-01T00:00:00Z", "--results", str(tmp_path))
+    run("2026-01-02T00:00:00Z", "--results", str(tmp_path))
+    run("2026-01-02T00:00:00Z", "--results", str(tmp_path))  # the same run again: replaced, not doubled
+    data = json.loads(store.read_text())
+    assert [r["date"] for r in data["runs"]] == ["2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"]
+    assert len(data["rows"]) == 16
+    assert [r["date"] for r in data["rows"]] == ["2026-01-01T00:00:00Z"] * 8 + ["2026-01-02T00:00:00Z"] * 8
+    before = store.read_text()
+    single = tmp_path / "elsewhere" / "run.json"
+    run("2026-01-03T00:00:00Z", "--results", str(tmp_path), "--out", str(single))
+    assert store.read_text() == before
+    alone = json.loads(single.read_text())
+    assert [r["date"] for r in alone["runs"]] == ["2026-01-03T00:00:00Z"] and len(alone["rows"]) == 8
+    assert all(r["fwd_ms"] == 1.0 and r["bwd_ms"] == 2.0 for r in alone["rows"])

@@ -19,9 +19,10 @@ def test_arch_flags_are_per_family():
     _, _, nvcc100 = _build._flags(_build.FAMILIES["fmha_bwd_sm100"], False)
     _, _, nvcc80 = _build._flags(_build.FAMILIES["mla_decode_sm80"], True)
     assert [f for f in nvcc90 if "gencode" in f] == ["-gencode=arch=compute_90a,code=sm_90a"]
-    assert [f for f in nvcc100 if "gencode" in f] == ["-gencode=arch=compute_100a,code=sm_100a"]
+    assert [f for f in nvcc100 if "gencode" in f] == ["-gencode=arch=compute_100f,code=sm_100f"]
     assert [f for f in nvcc80 if "gencode" in f] == ["-gencode=arch=compute_80,code=sm_80",
-                                                     "-gencode=arch=compute_90,code=sm_90"]
+                                                     "-gencode=arch=compute_90,code=sm_90",
+                                                     "-gencode=arch=compute_90,code=compute_90"]
     assert "-Xptxas=-v" in nvcc80 and "-Xptxas=-v" not in nvcc90
 
 
@@ -30,7 +31,7 @@ def test_fingerprint_changes_with_sources_and_flags(tmp_path, monkeypatch):
     src = tmp_path / "x" / "fam_a.cu"
     src.write_text("// v1\n")
     monkeypatch.setattr(_build, "csrc_dir", lambda: tmp_path)
-    fam = _build.Family("fam_a", "x", ("sm_90a",), ((9, 0),))
+    fam = _build.Family("fam_a", "x", ("sm_90a",), ("attn_fwd",), frozenset(), frozenset(), run_on="")
     a = _build._fingerprint(fam, ("flags",))
     assert a == _build._fingerprint(fam, ("flags",))
     assert a != _build._fingerprint(fam, ("other",))
@@ -46,6 +47,9 @@ def test_cli_selects_families_by_arch(monkeypatch, capsys):
     monkeypatch.setattr(build, "load_family", lambda name, **kw: built.append(name))
     monkeypatch.setattr(build, "family_available", lambda name: (True, ""))
     assert build.main(["--arch", "sm_100a"]) == 0
+    assert sorted(built) == ["fmha_bwd_sm100", "fmha_fwd_sm100"]
+    built.clear()
+    assert build.main(["--arch", "sm_100f"]) == 0
     assert sorted(built) == ["fmha_bwd_sm100", "fmha_fwd_sm100"]
     built.clear()
     assert build.main(["--arch", "sm_90a"]) == 0
@@ -93,3 +97,39 @@ def test_wheel_ships_the_kernel_sources(tmp_path):
             rel = src.relative_to(_build.csrc_dir()).as_posix()
             assert f"mla_autograd/_csrc/{rel}" in names, f"wheel lacks {rel}"
     assert "mla_autograd/_csrc/common/checks.h" in names
+
+
+def test_image_check_reads_cuobjdump_listings(monkeypatch):
+    """--check-images: a module lacking a target's cubin or PTX fails. cuobjdump names arch- and
+    family-specific cubins by number (t.2.sm_90a.cubin, x.sm_100.cubin for sm_100f)."""
+    import subprocess
+    listings = {"--list-elf": "ELF file    1: m.1.sm_80.cubin\nELF file    2: m.2.sm_90.cubin\n",
+                "--list-ptx": "PTX file    1: m.1.sm_90.ptx\n"}
+
+    def fake_run(cmd, capture_output, text):
+        return subprocess.CompletedProcess(cmd, 0, listings[cmd[1]], "")
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    fam = _build.FAMILIES["mla_decode_sm80"]
+    assert build.module_images("m.so", "cuobjdump") == ({"sm_80", "sm_90"}, {"compute_90"})
+    assert build.missing_images(fam, "m.so", "cuobjdump") == []
+    listings["--list-ptx"] = ""
+    assert build.missing_images(fam, "m.so", "cuobjdump") == ["compute_90"]
+    listings["--list-elf"] = "ELF file    1: fmha_fwd_sm100_bf16_mla.sm_100.cubin\n"
+    assert build.missing_images(_build.FAMILIES["fmha_fwd_sm100"], "m.so", "cuobjdump") == []
+    assert build.missing_images(_build.FAMILIES["fmha_fwd_sm90"], "m.so", "cuobjdump") == ["sm_90a"]
+
+
+def test_image_check_on_a_real_object(tmp_path):
+    """cuobjdump's real listing format, on a two-line kernel built for an SM80-style target set."""
+    import shutil
+    import subprocess
+    tool = build.find_cuobjdump()
+    if tool is None or shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(float* x) { x[0] = 1.f; }\n")
+    obj = tmp_path / "k.o"
+    fam = _build.FAMILIES["mla_decode_sm80"]
+    subprocess.run(["nvcc", *fam.gencode_flags(), "-c", str(src), "-o", str(obj)], check=True, timeout=300)
+    assert build.missing_images(fam, str(obj), tool) == []
+    assert build.missing_images(_build.FAMILIES["fmha_fwd_sm90"], str(obj), tool) == ["sm_90a"]

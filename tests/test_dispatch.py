@@ -1,4 +1,6 @@
 """The dispatch table: which backend is chosen and why, with faked devices."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ def call(op="attn_fwd", cap=(9, 0), dtype=torch.bfloat16, dims=(192, 128), **kw)
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Pretend to be on a GPU of a given capability with every kernel family buildable."""
-    state = {"cap": (9, 0)}
+    state = {"cap": (9, 0), "smem": 232448}
     monkeypatch.setattr(Call, "capability", property(lambda self: state["cap"]))
+    monkeypatch.setattr(Call, "smem_per_block", property(lambda self: state["smem"]))
     monkeypatch.setattr(_build, "family_available", lambda name: (True, ""))
     return state
 
@@ -47,7 +50,7 @@ def test_reasons_name_the_condition(fake_gpu):
     d = explain_call(call(dims=(192, 128))[0])
     text = str(d)
     assert "not sm90: needs compute capability 9.0, device has 8.6" in text
-    assert "not sm100: needs compute capability 10.x" in text
+    assert "not sm100: needs compute capability 10.0-10.x, device has 8.6 (its build: sm_100f)" in text
     fake_gpu["cap"] = (9, 0)
     d = explain_call(call(dims=(96, 96))[0])
     assert "head dims (96, 96) not in" in str(d)
@@ -58,6 +61,7 @@ def test_reasons_name_the_condition(fake_gpu):
     ((9, 0), 16, 4, 1, "sm80_decode"),
     ((8, 9), 8, 8, 256, "sm80_decode"),
     ((10, 0), 64, 2, 16, "sm80_decode"),
+    ((12, 0), 16, 1, 64, "sm80_decode"),
     ((7, 5), 16, 1, 64, "reference"),
     ((9, 0), 12, 1, 64, "reference"),
     ((9, 0), 16, 9, 64, "reference"),
@@ -114,6 +118,159 @@ def test_sm90_backward_serves_deterministic(fake_gpu):
     fake_gpu["cap"] = (9, 0)
     d = explain_call(call(op="attn_bwd", deterministic=True)[0])
     assert d.backend == "sm90", str(d)
+
+
+# Where code built for an nvcc target loads, written out independently of _kernels.Target: the rule the
+# registry must follow (SASS sm_XY on X.Z for Z >= Y, sm_XYa on X.Y only, sm_XYf on X.Z for Z >= Y,
+# PTX compute_XY on anything >= X.Y through the driver's JIT).
+def _loads(target: str, cap: tuple[int, int]) -> bool:
+    kind, num = target.split("_")
+    suffix = num[-1] if num[-1] in "af" else ""
+    num = num.rstrip("af")
+    major, minor = int(num[:-1]), int(num[-1])
+    if kind == "compute":
+        return cap >= (major, minor)
+    if suffix == "a":
+        return cap == (major, minor)
+    return cap[0] == major and cap[1] >= minor
+
+
+CAPS = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)]
+EXPECTED = {  # op -> backend per capability of CAPS
+    "attn_fwd": ["reference", "reference", "reference", "sm90", "sm100", "sm100", "reference"],
+    "attn_bwd": ["reference", "reference", "reference", "sm90", "sm100", "sm100", "reference"],
+    "decode": ["sm80_decode"] * 7,
+}
+
+
+@pytest.mark.parametrize("op", sorted(EXPECTED))
+@pytest.mark.parametrize("i", range(len(CAPS)))
+def test_routed_family_has_an_image_for_the_capability(fake_gpu, op, i):
+    """A call is routed to a family only where its build has SASS or PTX that loads (a module without a
+    loadable image fails at the first call, e.g. an sm_80/sm_90-only module on a B200)."""
+    cap = fake_gpu["cap"] = CAPS[i]
+    if op == "decode":
+        c = Call(op="decode", device=torch.device("cuda", 0), dtype=torch.bfloat16, dims=(512, 64), causal=True,
+                 num_heads=16, num_kv_heads=1, seqlen_q=1, page_size=64)
+    else:
+        c = call(op=op, dims=(128, 128))[0]
+    d = explain_call(c)
+    assert d.backend == EXPECTED[op][i], str(d)
+    if d.family is not None:
+        targets = _build.FAMILIES[d.family].targets
+        assert any(_loads(t, cap) for t in targets), f"{d.family} ({targets}) has no image for {cap}"
+        flags = _build.FAMILIES[d.family].gencode_flags()
+        assert len(flags) == len(targets) and all(f.startswith("-gencode=arch=compute_") for f in flags)
+
+
+def test_every_target_rule_matches_the_registry():
+    from mla_autograd._kernels import Target
+    for fam in _build.FAMILIES.values():
+        for t in fam.targets:
+            for cap in CAPS + [(7, 5), (9, 9), (11, 0)]:
+                assert Target(t).loads_on(cap) == _loads(t, cap), (t, cap)
+
+
+def test_decode_gets_ptx_that_enables_its_pdl_path():
+    """The decode host layer turns on programmatic dependent launch on >= 9.0; only code compiled for
+    >= 9.0 waits for the prerequisite grid, so the PTX that newer GPUs JIT must be compute_90 or later."""
+    ptx = [t for t in _build.FAMILIES["mla_decode_sm80"].targets if t.startswith("compute_")]
+    assert ptx and all(int(t.split("_")[1]) >= 90 for t in ptx)
+    assert "-gencode=arch=compute_90,code=compute_90" in _build.FAMILIES["mla_decode_sm80"].gencode_flags()
+
+
+@pytest.mark.parametrize("sq,sk,align,dims,varlen_same_cu,expect", [
+    (256, 256, "top_left", (192, 128), None, "sm100"),       # Sq == Sk: top-left == bottom-right
+    (256, 384, "top_left", (192, 128), None, "reference"),   # the kernel's top-left mask is wrong here
+    (384, 256, "top_left", (192, 128), None, "reference"),
+    (256, 384, "bottom_right", (192, 128), None, "sm100"),
+    (256, 384, "top_left", (128, 128), None, "sm100"),       # the 128x128 kernel's mask is right
+    (300, 300, "top_left", (192, 128), True, "sm100"),       # varlen, one cu_seqlens tensor
+    (300, 300, "top_left", (192, 128), False, "reference"),  # varlen, two tensors (lengths unknown)
+])
+def test_sm100_mla_backward_top_left_only_where_it_is_right(fake_gpu, sq, sk, align, dims, varlen_same_cu, expect):
+    from mla_autograd._ops import attention_call
+    fake_gpu["cap"] = (10, 0)
+    q = torch.empty(2, sq, 4, dims[0], dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, sk, 4, dims[0], dtype=torch.bfloat16, device="meta")
+    v = torch.empty(2, sk, 4, dims[1], dtype=torch.bfloat16, device="meta")
+    kw = {}
+    if varlen_same_cu is not None:
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu if varlen_same_cu else cu.clone(), max_seqlen_q=sq)
+    c = attention_call("attn_bwd", q, k, v, causal=True, bottom_right=align == "bottom_right", **kw)
+    c = dataclasses.replace(c, device=torch.device("cuda", 0))
+    d = explain_call(c)
+    assert d.backend == expect, str(d)
+    if expect == "reference":
+        assert "top-left diagonal masking is wrong" in str(d)
+    # the forward kernel's masks are right: it serves every case
+    assert explain_call(dataclasses.replace(c, op="attn_fwd")).backend == "sm100"
+
+
+def test_sm100_forward_refuses_an_int32_overflowing_output_offset(fake_gpu):
+    """max_seqlen_q * Hq * Dv >= 2^31 overflows example 77's int32 output-pointer offset (it would store
+    about 8 GiB away): e.g. 128/128, Hq = 128, max_seqlen_q = 131072."""
+    from mla_autograd._ops import attention_call
+    fake_gpu["cap"] = (10, 0)
+    for sq, expect in ((131072, "reference"), (131071, "sm100")):
+        q = torch.empty(1, sq, 128, 128, dtype=torch.bfloat16, device="meta")
+        c = dataclasses.replace(attention_call("attn_fwd", q, q, q, causal=False, bottom_right=True),
+                                device=torch.device("cuda", 0))
+        d = explain_call(c)
+        assert d.backend == expect, str(d)
+        if expect == "reference":
+            assert "2^31" in str(d)
+    tq = torch.empty(131072 + 5, 128, 128, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 5, 131077], dtype=torch.int32)
+    c = attention_call("attn_fwd", tq, tq, tq, causal=False, bottom_right=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                       max_seqlen_q=131072)
+    assert explain_call(dataclasses.replace(c, device=torch.device("cuda", 0))).backend == "reference"
+
+
+def test_dispatch_memo_does_not_grow_with_lengths(fake_gpu, monkeypatch):
+    """The decision memo is keyed on what the rows read: packed batches with a new token count or a new
+    longest sequence each step reuse one entry."""
+    from mla_autograd._ops import attention_call
+    monkeypatch.setattr(_dispatch, "_decisions", {})
+    for total in (1000, 1001, 2047, 4096):
+        q = torch.empty(total, 4, 192, dtype=torch.bfloat16, device="meta")
+        v = torch.empty(total, 4, 128, dtype=torch.bfloat16, device="meta")
+        cu = torch.tensor([0, total], dtype=torch.int32)
+        c = attention_call("attn_fwd", q, q, v, causal=True, bottom_right=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=total)
+        _dispatch.select(dataclasses.replace(c, device=torch.device("cuda", 0)))
+    assert len(_dispatch._decisions) == 1
+
+
+@pytest.mark.parametrize("smem,heads,sq,expect", [
+    (101376, 16, 1, "sm80_decode"),   # 8.6 / 8.9 / 12.0 (99 KB per block): the 16-row tile fits
+    (101376, 8, 2, "sm80_decode"),
+    (101376, 32, 1, "reference"),     # 32 rows need 115 KB
+    (101376, 128, 1, "reference"),
+    (166912, 128, 1, "sm80_decode"),  # 8.0 (163 KB)
+    (232448, 128, 8, "sm80_decode"),  # 9.0 (227 KB)
+])
+def test_decode_routes_by_shared_memory(fake_gpu, smem, heads, sq, expect):
+    fake_gpu["cap"], fake_gpu["smem"] = (8, 6), smem
+    c = Call(op="decode", device=torch.device("cuda", 0), dtype=torch.bfloat16, dims=(512, 64), causal=True,
+             num_heads=heads, num_kv_heads=1, seqlen_q=sq, page_size=64)
+    d = explain_call(c)
+    assert d.backend == expect, str(d)
+    if expect == "reference":
+        assert "shared memory per block" in str(d)
+
+
+def test_decode_smem_formula_matches_the_config():
+    """TileConfig<M>::smem_bytes(2) + the static slot, from csrc/sm80/mla_decode_sm80_config.h's constants
+    (kRowBytes 1152, kBlockN 32, P stride 40, two reduction buffers, a ring of 10 page-id tiles)."""
+    assert _dispatch.decode_min_smem_bytes(16) == 16 * 1152 + 2 * 32 * 1152 + 16 * 40 * 2 + 2 * 4 * 16 * 4 + 1280 + 128
+    assert _dispatch.decode_min_smem_bytes(33) == 64 * 1152 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 2 * 64 * 4 + 1280 + 128
+    text = (_build.csrc_dir() / "sm80" / "mla_decode_sm80_config.h").read_text()
+    for const in ("kDimQK = kDimCkv + kDimKpe", "kBlockN = 32", "kStaticSmemBytes = 128", "kMinStages = 2",
+                  "kPageRing = 2 * kMaxStages", "kMaxStages = 5"):
+        assert const in text, f"decode_min_smem_bytes mirrors {const!r}: update it with the config"
 
 
 # ---- the reference-path warning: once per reason, at the caller's line ----

@@ -169,6 +169,58 @@ def test_every_instantiation_linked(fwd, bwd, dtype, dims, mask):
     # individual tile scheduler; bwd 128x128 231,620 / MLA 198,852); SM100 opt-in limit 232,448
     assert pf["smem_bytes"] == (180448 if dims[0] == 192 else 164080)
     assert pb["smem_bytes"] == (198852 if dims[0] == 192 else 231620)
+    # the MLA backward runs top-left calls (here Sq == Sk) with its bottom-right kernel
+    assert pb["mask_requested"] == {(False, False): "residual", (True, False): "causal_top_left",
+                                    (True, True): "causal_bottom_right"}[mask]
+    if dims[0] == 192 and mask == (True, False):
+        assert pb["mask"] == "causal_bottom_right"
+    else:
+        assert pb["mask"] == pb["mask_requested"]
+
+
+@pytest.mark.parametrize("lens_q,lens_k,same_cu,ok", [
+    ([300, 17], [300, 17], True, True),     # one cu_seqlens tensor: every Sq == Sk
+    ([300, 17], [300, 17], False, False),   # two tensors: their values are never read, so not provably equal
+    ([300, 17], [400, 17], False, False),
+])
+def test_bwd_mla_top_left_varlen_only_with_one_cu_tensor(bwd, lens_q, lens_k, same_cu, ok):
+    q, k, v, out, lse, cq, ck, mq, mk = varlen_args(lens_q, lens_k, 4, 4, 192, 128)
+    if same_cu:
+        ck = cq
+    args = (t(*out.shape), q, k, v, out, lse, t(*q.shape), t(*k.shape), t(*v.shape), cq, ck, mq, mk, 0.1, True, False,
+            False)
+    if ok:
+        p = bwd.plan_bwd(*args)
+        assert p["mask"] == "causal_bottom_right" and p["mask_requested"] == "causal_top_left"
+    else:
+        with pytest.raises(RuntimeError, match="top-left diagonal mask is wrong"):
+            bwd.plan_bwd(*args)
+
+
+def test_bwd_mla_top_left_dense_unequal_lengths_refused(bwd):
+    with pytest.raises(RuntimeError, match="top-left diagonal mask is wrong"):
+        bwd.plan_bwd(*bwd_dense(1, 100, 300, 4, 4, 192, 128), None, None, None, None, 0.1, True, False, False)
+    p = bwd.plan_bwd(*bwd_dense(1, 100, 300, 4, 4, 128, 128), None, None, None, None, 0.1, True, False, False)
+    assert p["mask"] == "causal_top_left"  # the 128x128 kernel's top-left mask is right
+
+
+def test_fwd_int32_output_offset_refused(fwd):
+    """Example 77's varlen epilogue moves the output pointer back by max_seqlen_q * row stride in int32:
+    128/128 with 128 heads and max_seqlen_q = 131072 is exactly 2^31 and is refused; one row less plans."""
+    q, k, v, out, lse = dense_args(1, 131072, 131072, 128, 128, 128, 128)
+    with pytest.raises(RuntimeError, match="output row stride"):
+        fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, False, False)
+    q, k, v, out, lse = dense_args(1, 131071, 131071, 128, 128, 128, 128)
+    fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, 0.1, False, False)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("inf"), float("nan")])
+def test_one_softmax_scale_rule(fwd, bwd, scale):
+    q, k, v, out, lse = dense_args(1, 16, 16, 2, 2, 128, 128)
+    with pytest.raises(RuntimeError, match="softmax_scale must be a finite number > 0"):
+        fwd.plan_fwd(q, k, v, out, lse, None, None, None, None, scale, False, False)
+    with pytest.raises(RuntimeError, match="softmax_scale must be a finite number > 0"):
+        bwd.plan_bwd(*bwd_dense(1, 16, 16, 2, 2, 128, 128), None, None, None, None, scale, False, False, False)
 
 
 # ---------------------------------------------------------------- backward plans

@@ -37,8 +37,13 @@ def test_attention_keyword_errors():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="causal_align must be 'top_left' or 'bottom_right'"):
         M.attention(q, k, v, causal=True, causal_align="upper")
-    with pytest.raises(ValueError, match="softmax_scale must be finite"):
-        M.attention(q, k, v, softmax_scale=float("nan"))
+    for bad in (float("nan"), float("inf"), 0.0, -0.125):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            M.attention(q, k, v, softmax_scale=bad)
+    for bad in (0.0, -1.0):  # the same rule on every entry point (each kernel's host layer checks it too)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            M.decode(torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 4), torch.randn(2, 4, 16), torch.randn(2, 4, 4),
+                     torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), softmax_scale=bad)
     with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
         M.attention(q, k, v, softmax_scale=torch.tensor(0.1))
 

@@ -4,10 +4,11 @@
 // Why not TORCH_CHECK's own formatting: it builds messages with std::ostringstream inside our
 // extension, and on the H200 image (extensions built with its /opt/gcc) every TORCH_CHECK whose
 // message formatted a number that way segfaulted, while string-only messages raised cleanly
-// (seen 2026-11-29 by two kernel families; cause not established). Here numbers go through
+// (in two kernel families; the cause is not established). Here numbers go through
 // std::to_string and the message reaches TORCH_CHECK as one std::string, which c10 passes through.
 #pragma once
 
+#include <cmath>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -48,3 +49,14 @@ inline std::string cat(const A&... parts) {
 }  // namespace mla
 
 #define MLA_CHECK(cond, ...) TORCH_CHECK(cond, ::mla::cat(__VA_ARGS__))
+
+namespace mla {
+
+// The one softmax_scale rule of every kernel family (and of the Python API, which checks it first):
+// a finite, positive float. Zero is refused because CUTLASS's SM100 kernels read 0 as "use 1/sqrt(d)".
+inline void check_softmax_scale(double softmax_scale, const char* family) {
+  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, family,
+            ": softmax_scale must be a finite number > 0, got ", softmax_scale);
+}
+
+}  // namespace mla

@@ -44,7 +44,8 @@ namespace {
 struct BwdPlan {
   DType dtype;
   HeadDims hd;
-  Mask mask;
+  Mask mask;            // the mask the kernel is instantiated with
+  Mask mask_requested;  // the caller's (differs where an equivalent mask replaces it)
   bool varlen = false;
   int64_t B = 0, Hq = 0, Hk = 0, h_r = 1, dqk = 0, dvo = 0, Sq = 0, Sk = 0;
   int64_t total_q = 0, total_k = 0, max_q = 0, max_k = 0;
@@ -93,7 +94,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
   MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
               "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  MLA_CHECK(std::isfinite(softmax_scale), "mla_autograd sm100: softmax_scale must be finite, got ", softmax_scale);
+  mla::check_softmax_scale(softmax_scale, "mla_autograd sm100");
   P.scale = float(softmax_scale);
   P.varlen = cu_q.has_value();
   const int64_t nd = P.varlen ? 3 : 4;
@@ -150,6 +151,20 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   }
   MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
               "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
+  // CUTLASS 4.2 example 77's MLA backward (64-row Q tiles, 128-key blocks) applies its top-left diagonal
+  // mask only to Q tile j of key block j, but block j's diagonal starts at tile 2j: tiles 2j and 2j+1 go
+  // unmasked. Its bottom-right mask is right, and it is the same mask wherever every sequence has as many
+  // queries as keys: dense Sq == Sk, or varlen with one cu_seqlens tensor for both (lengths never read here).
+  P.mask_requested = P.mask;
+  if (P.hd == HeadDims::kMla192x128 && P.mask == Mask::kCausalTopLeft) {
+    const bool equal_lengths = P.varlen ? (cu_q->data_ptr() == cu_k->data_ptr() && cu_q->sizes() == cu_k->sizes() &&
+                                           cu_q->strides() == cu_k->strides())
+                                        : P.Sq == P.Sk;
+    MLA_CHECK(equal_lengths, "mla_autograd sm100: causal top-left masking at head dims (192, 128) needs Sq == Sk "
+              "(dense) or one cu_seqlens tensor for queries and keys (varlen): the MLA backward kernel's top-left "
+              "diagonal mask is wrong otherwise (the dispatch table sends such calls elsewhere)");
+    P.mask = Mask::kCausalBottomRight;
+  }
   check_operand(q, "q");
   check_operand(k, "k");
   check_operand(v, "v");
@@ -262,6 +277,7 @@ py::dict plan_to_dict(const BwdPlan& P) {
   d["dtype"] = dtype_name(P.dtype);
   d["head_dims"] = tup({I(P.dqk), I(P.dvo)});
   d["mask"] = mask_name(P.mask);
+  d["mask_requested"] = mask_name(P.mask_requested);
   d["main_kernel"] = mla ? "Sm100FmhaBwdMlaKernelTmaWarpSpecialized" : "Sm100FmhaBwdKernelTmaWarpSpecialized";
   d["tile_shape"] = mla ? tup({I(64), I(128), I(192), I(128)}) : tup({I(128), I(128), I(128), I(128)});
   d["varlen_input"] = P.varlen;

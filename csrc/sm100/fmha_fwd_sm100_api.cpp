@@ -4,7 +4,7 @@
 // fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
 //     causal, bottom_right) -> None     (contract: docs/architecture.md)
 //
-// Design (see /work/shared/design/sm100-cutlass77.md):
+// Design (docs/kernels/fmha_sm100.md):
 // * Only the variable-length problem shape is compiled. Dense (B, S, H, D) tensors are viewed as
 //   (B*S, H, D) with cu_seqlens = arange(B+1) * S (copied first if batch and sequence dims cannot
 //   be merged); dense lse (B, H, S) is addressed through the lse batch stride (row offset cu[b] =
@@ -77,9 +77,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
   MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
               "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale != 0.0,
-              "mla_autograd sm100: softmax_scale must be finite and nonzero (CUTLASS reads 0 as 1/sqrt(d)), got ",
-              softmax_scale);
+  mla::check_softmax_scale(softmax_scale, "mla_autograd sm100");
   P.scale = float(softmax_scale);
   P.varlen = cu_q.has_value();
   const int64_t nd = P.varlen ? 3 : 4;
@@ -230,6 +228,13 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   for (auto* r : {&P.q, &P.k, &P.v, &P.o}) {
     MLA_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
   }
+  // The launcher forms the kv-group strides head * h_r in int32, and example 77's epilogue moves the output
+  // pointer back by max_seqlen_q * row stride in int32 (its varlen descriptor starts max_q rows before out).
+  MLA_CHECK(P.q.head * P.h_r <= kInt32Max && P.o.head * P.h_r <= kInt32Max && P.lse_head * P.h_r <= kInt32Max,
+            "mla_autograd sm100: head stride x (query heads / kv heads) must be below 2^31");
+  MLA_CHECK(P.max_q * P.o.row <= kInt32Max, "mla_autograd sm100: max_seqlen_q x output row stride = ",
+            P.max_q * P.o.row, " must be below 2^31 (int32 output offset of CUTLASS example 77's forward epilogue; ",
+            "the dispatch table sends such calls elsewhere)");
   P.grid_x = ceil_div(P.max_q, 256);
   P.grid_y = P.Hq;
   P.grid_z = P.batches;

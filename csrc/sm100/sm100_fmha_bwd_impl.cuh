@@ -90,7 +90,15 @@ template <class Element, bool kMla>
 LaunchStatus run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
   switch (p.mask) {
     case Mask::kNone: return run_bwd<Element, kMla, fc::ResidualMaskForBackward>(p, stream);
-    case Mask::kCausalTopLeft: return run_bwd<Element, kMla, fc::CausalForBackwardMask<true>>(p, stream);
+    case Mask::kCausalTopLeft:
+      // The MLA kernel's top-left diagonal mask is wrong (it masks Q tile j of key block j, whose diagonal
+      // starts at tile 2j); the planner runs those calls with the equal bottom-right mask or refuses them,
+      // so that variant is not compiled.
+      if constexpr (kMla) {
+        return LaunchStatus::fail("top-left causal masking is not compiled for the MLA backward kernel");
+      } else {
+        return run_bwd<Element, kMla, fc::CausalForBackwardMask<true>>(p, stream);
+      }
     case Mask::kCausalBottomRight: return run_bwd<Element, kMla, fc::CausalForBackwardMask<false>>(p, stream);
   }
   return LaunchStatus::fail("unknown mask");
@@ -100,7 +108,12 @@ template <class Element, bool kMla>
 int bwd_smem_masks(Mask m) {
   switch (m) {
     case Mask::kNone: return BwdKernelOf<Element, kMla, fc::ResidualMaskForBackward>::Kernel::SharedStorageSize;
-    case Mask::kCausalTopLeft: return BwdKernelOf<Element, kMla, fc::CausalForBackwardMask<true>>::Kernel::SharedStorageSize;
+    case Mask::kCausalTopLeft:
+      if constexpr (kMla) {
+        return 0;  // not compiled (see run_bwd_masks)
+      } else {
+        return BwdKernelOf<Element, kMla, fc::CausalForBackwardMask<true>>::Kernel::SharedStorageSize;
+      }
     case Mask::kCausalBottomRight: return BwdKernelOf<Element, kMla, fc::CausalForBackwardMask<false>>::Kernel::SharedStorageSize;
   }
   return 0;

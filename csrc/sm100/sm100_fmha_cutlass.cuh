@@ -10,7 +10,7 @@
 // Without sm_100a/sm_100f the example-77 kernel bodies compile to a printf stub that "succeeds"
 // silently. Fail the build instead.
 #if defined(__CUDA_ARCH__) && !defined(CUTLASS_ARCH_MMA_SM100A_ENABLED) && !defined(CUTLASS_ARCH_MMA_SM100F_ENABLED)
-#error "mla_autograd: csrc/sm100 kernels must be compiled for sm_100a (-gencode=arch=compute_100a,code=sm_100a); any other target would build the CUTLASS printf stub"
+#error "mla_autograd: csrc/sm100 kernels must be compiled for sm_100f or sm_100a (-gencode=arch=compute_100f,code=sm_100f); any other target would build the CUTLASS printf stub"
 #endif
 
 #include "cute/tensor.hpp"

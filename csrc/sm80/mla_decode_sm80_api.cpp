@@ -203,7 +203,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   MLA_CHECK(out.stride(3) == 1, "decode: out must have unit last-dim stride");
   for (int d = 0; d < 3; ++d) MLA_CHECK(out.size(d) == 1 || out.stride(d) % 4 == 0, "decode: out stride ", d, " must be a multiple of 4");
   MLA_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0, "decode: out must be 8-byte aligned");
-  MLA_CHECK(std::isfinite(softmax_scale), "decode: softmax_scale must be finite");
+  mla::check_softmax_scale(softmax_scale, "decode");
   MLA_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
   MLA_CHECK(B <= 60000, "decode: batch (", B, ") too large for one launch");
   if (schedule.has_value()) check_schedule_tensor(*schedule, dev);
@@ -451,7 +451,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_stamps", &read_stamps,
         "read_stamps() -> int64 (CTAs, 8) per-CTA timer stamps of the last decode call (mla_decode_sm80_stamps.h: "
         "StampSlot order), or an empty tensor unless the module was built with -DMLA_DECODE_STAMPS "
-        "(scripts/decode_stamps.py)");
+        "(tools/decode_stamps.py)");
   m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
         py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
         py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1,

@@ -13,7 +13,7 @@
 //     arrive after their PV of the tile). Group 1 issues every load, after its own PV of the stage's previous
 //     tile, so group 0 runs ahead;
 //   - within a group, named barriers (128 threads) replace __syncthreads.
-// Measured on the H200 (docs/perf/mla_decode_sm80.md, session 11): the decoupling alone was no faster than the
+// Measured on the H200 (docs/kernels/mla_decode_sm80.md): the decoupling alone was no faster than the
 // lockstep kernel; the gain (266 -> 295 TF/s at 128 heads) came with ldmatrix addresses from per-lane offsets
 // (qk_split_32x32 and the PV loop below), which this layout turned into a 5-8% win against 1% in the lockstep one.
 // Pipeline: two stages of 64 tokens (the H200's 227 KB: Q 72 KB + 2 x 72 KB + P + page ids + 4 mbarriers).

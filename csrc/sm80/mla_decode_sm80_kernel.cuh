@@ -8,8 +8,8 @@
 //   - all 8 warps do O += P V, each on 64 of the 512 output dims (fp32 accumulators M_TILE x 64 per warp).
 // The wide variant (BN = 64 KV tokens per step, 64-row tiles, TileConfig in the config header) has all eight
 // warps compute S, with KSPLIT as 32 x 32 tiles over half of the 576 dims each (halves traded through the P
-// buffer), a per-row loader and a conditional O rescale; the rest of the step is the same code. Since session 11
-// the 64-row default is the row-group kernel (mla_decode_sm80_groups_kernel.cuh), built from the helpers here;
+// buffer), a per-row loader and a conditional O rescale; the rest of the step is the same code. Where its smem
+// fits (sm_90) the 64-row default is the row-group kernel (mla_decode_sm80_groups_kernel.cuh), built from the helpers here;
 // the wide variant stays selectable (set_tuning wide=1/2).
 #pragma once
 

@@ -112,9 +112,9 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
   }
 }
 
-// The form by batch size: the eight-group form alone made the main kernel at B=128 as short as with a precomputed
-// schedule, but B=4 and B=7 0.3-0.9 us slower per call than the loops it replaced, which did one group's work there
-// (H200, session 14's A/B of 9c816af). This pair was faster than those loops at B = 4, 7, 32 and 128 (session 15).
+// The form by batch size: the eight-group form alone makes the main kernel at B=128 as short as with a precomputed
+// schedule, but costs B=4 and B=7 0.3-0.9 us per call against a one-group form, which is all a small batch needs
+// (H200). Choosing by B is faster than either form alone at B = 4, 7, 32 and 128.
 template <typename Visit, typename More>
 __device__ __forceinline__ void warp_request_splits(const DecodeParams& p, Visit&& visit, More&& more) {
   if (p.B <= 32) warp_request_splits_groups<1>(p, visit, more);

@@ -1,6 +1,6 @@
 // Per-CTA %globaltimer stamps of the warp-specialized kernel: where a CTA's time goes (PDL wait, split schedule,
 // first tile, KV loop, epilogue) and how the CTAs' end times spread. Compiled in only with -DMLA_DECODE_STAMPS on
-// the nvcc command line; scripts/decode_stamps.py builds such a module in its own cache and prints the phases.
+// the nvcc command line; tools/decode_stamps.py builds such a module in its own cache and prints the phases.
 // Without the macro every stamp call below is an empty inline function and p.stamps stays null.
 //
 // Layout: p.stamps[(item * gridDim.x + m-block) * kStampSlots + slot], nanoseconds (globaltimer), each slot written

@@ -16,7 +16,7 @@
 // tiles ahead, with S-2 tiles in flight: 187 us against this version's 177 us at H=16, B=128, S=4096.)
 // compute-sanitizer racecheck reports 2-3 hazards between the QK warps' stores before kBarPFull / kBarFinal and
 // the PV warps' loads after them whenever the QK warps also sync among themselves on a second named barrier
-// (kBarQK); scripts/racecheck_probe.cu reproduces that on a minimal, ordered hand-off (mode 5). With that
+// (kBarQK); tools/racecheck_probe.cu reproduces that on a minimal, ordered hand-off (mode 5). With that
 // sync on an mbarrier instead (p.qk_mbar, set_tuning qk_mbar=1; mode 6 of the probe) racecheck follows the
 // hand-offs and reports 0 hazards, with the same results bit for bit. The default stays the named barrier:
 // the mbarrier wait cost 3% at H=16, B=128 on the H200.
@@ -40,7 +40,7 @@ __device__ __forceinline__ void named_bar_sync() {
 
 // The 128 QK threads' own sync on an mbarrier (count kQKThreads): every thread arrives, then waits for the
 // phase to complete. Same ordering as named barrier 1, but compute-sanitizer racecheck then also follows
-// the QK -> PV hand-offs on kBarPFull / kBarFinal (scripts/racecheck_probe.cu, modes 5 and 6).
+// the QK -> PV hand-offs on kBarPFull / kBarFinal (tools/racecheck_probe.cu, modes 5 and 6).
 __device__ __forceinline__ void mbar_sync(uint32_t bar, uint32_t& phase) {
   mbar_arrive(bar);
   mbar_wait(bar, phase);

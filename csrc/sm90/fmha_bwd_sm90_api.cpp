@@ -77,7 +77,7 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   MLA_CHECK(hkv >= 1 && hq % hkv == 0, "fmha_bwd_sm90: num heads of q (", hq,
               ") must be a multiple of num heads of k (", hkv, ")");
   MLA_CHECK(v.size(-2) == hkv, "fmha_bwd_sm90: v must have the heads of k");
-  MLA_CHECK(std::isfinite(softmax_scale), "fmha_bwd_sm90: softmax_scale must be finite");
+  mla::check_softmax_scale(softmax_scale, "fmha_bwd_sm90");
 
   int64_t batch, sq, sk, tq, tk, msq, msk;
   if (varlen) {

@@ -25,7 +25,7 @@ struct FmhaBwdSm90Config;
 // fp32 bulk reduces, so their bytes scale with 1/BN, and at the H200's power cap energy per call sets the
 // speed. 112 is the most that fits: dK^T/dV^T take 140 of the consumers' 240 registers and the smem is
 // 227 KiB (Q/dO two stages, K, V, P^T, dS^T, the fp32 dQ block). Against BN = 96, H200, B=2 H=16 S=8192:
-// main kernel -8% (causal) and -7% (full), per call -6.5% (2026-12-01, docs/perf/fmha_bwd_sm90.md).
+// main kernel -8% (causal) and -7% (full), per call -6.5% (docs/kernels/fmha_bwd_sm90.md).
 template <>
 struct FmhaBwdSm90Config<192, 128> {
   static constexpr int kBlockM = 64;
@@ -38,7 +38,7 @@ template <>
 struct FmhaBwdSm90Config<128, 128> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;   // 3 (226 KiB at 128/128) measured no faster on the H200 (2026-11-30)
+  static constexpr int kStages = 2;   // 3 (226 KiB at 128/128) measured no faster on the H200
   static constexpr bool kSwapSdP = true;
 };
 
@@ -46,7 +46,7 @@ template <>
 struct FmhaBwdSm90Config<64, 64> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;   // 3 measured no faster on the H200 (2026-11-30)
+  static constexpr int kStages = 2;   // 3 measured no faster on the H200
   static constexpr bool kSwapSdP = true;
 };
 

@@ -487,7 +487,7 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
 // stage their bf16/fp16 dK, dV fragments with stmatrix into the K and V tiles' own smem (no GEMM reads
 // them any more once both warpgroups are past their last GEMM); one thread then issues two TMA stores.
 // This replaces ~100 predicated 2- or 4-byte global stores per thread, which cost the H200 about 2% of
-// the 192/128 causal backward (A/B, session 8).
+// the 192/128 causal backward (A/B).
 // r2s_k / r2s_v: tiled stmatrix copies for this thread, dst_k / dst_v: the K / V smem in the
 // accumulators' (row, col) orientation (transposed views for the unswapped dK^T / dV^T).
 template <class Tr>
@@ -1015,7 +1015,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     // 24 + 2 x 240 = 504 = 3 x 168, the launch allocation: setmaxnreg only moves registers inside the
     // CTA's own pool, so the producer cannot keep more while the consumers take 240 (32 here hung the
     // consumers' setmaxnreg.inc on the H200). Fits 24 without spill when only the block coordinates
-    // live across the split and the loops below keep running (hq, m) values (docs/perf).
+    // live across the split and the loops below keep running (hq, m) values (docs/kernels/fmha_bwd_sm90.md).
     cutlass::arch::warpgroup_reg_dealloc<24>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 1) {

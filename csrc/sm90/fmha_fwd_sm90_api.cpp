@@ -41,7 +41,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   MLA_CHECK(v.scalar_type() == dt, "fmha_fwd_sm90: v must have the dtype of q");
   MLA_CHECK(out.scalar_type() == dt, "fmha_fwd_sm90: out must have the dtype of q");
   MLA_CHECK(lse.scalar_type() == at::kFloat, "fmha_fwd_sm90: lse must be float32");
-  MLA_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "fmha_fwd_sm90: softmax_scale must be finite and > 0");
+  mla::check_softmax_scale(softmax_scale, "fmha_fwd_sm90");
   MLA_CHECK(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
               "fmha_fwd_sm90: cu_seqlens_q and cu_seqlens_k must be given together");
   bool const varlen = cu_seqlens_q.has_value();

@@ -42,13 +42,13 @@ namespace mla_sm90 {
 using namespace cute;
 
 // Schedules (kSched):
-//   0 (v1, default, validated on the H200): producer loads K(n), V(n) per block; O rescaled right
+//   0 (default, validated on the H200): producer loads K(n), V(n) per block; O rescaled right
 //     after PV(n+1) completes.
-//   1 (v2): producer loads K(n) ahead of V(n+1); the O rescale is deferred to just after the next QK
+//   1: producer loads K(n) ahead of V(n+1); the O rescale is deferred to just after the next QK
 //     issue so it overlaps that GEMM (FA3's order).
-//   2 (v2 + pingpong): as 1, and the consumer warpgroups take turns issuing GEMMs (named barriers).
+//   2 (pingpong): as 1, and the consumer warpgroups take turns issuing GEMMs (named barriers).
 // Schedules 1 and 2 are opt-in (MLA_FWD_SM90_SCHED=1|2): on the H200 they measured within noise of 0
-// (docs/perf/fmha_fwd_sm90.md, 2026-11-30).
+// (docs/kernels/fmha_fwd_sm90.md).
 template <class Element_, int kDqk_, int kDv_, int kSched_, int kBlockN_ = FmhaFwdSm90Config<kDqk_, kDv_>::kBlockN>
 struct FwdTraits {
   using Element = Element_;
@@ -169,7 +169,7 @@ struct OnlineSoftmax {
 // ------------------------------------------------------------------------------------------------
 // Launch order: grouped_tile (sm90_attn_common.cuh) over (head-batch pair hb = h + hq * b, M-block), with
 // rank r -> M-block num_m - 1 - r (the longest under a causal mask first). With every head interleaved
-// (one group: the order before) the H=128, S=4096 causal 192/128 forward ran at 87% of DRAM bandwidth
+// (a single group of all pairs) the H=128, S=4096 causal 192/128 forward ran at 87% of DRAM bandwidth
 // (ncu, H200): resident CTAs of ~130 different heads, each streaming its own K/V.
 
 template <class KT>
@@ -443,8 +443,8 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 // (head, batch) pairs per L2 group (grouped_tile): as many as have their K/V in a quarter of the device's L2.
 // Smaller groups measured faster (H200, 60 MB L2, B=2 H=16 S=8192, kernel TF/s over three runs, 2 / 6-7 (half
 // the L2) / 8 pairs per group: 192/128 649 / 643 / 635, 128/128 617 / 604 / 601; all heads interleaved: 593 /
-// 561). A quarter of the L2 gives 3 pairs there: 642 / 608 in the final run.
-// MLA_FWD_SM90_L2_GROUP=N forces N; 0 interleaves all heads (the order before, for A/B runs).
+// 561). A quarter of the L2 gives 3 pairs there: 642 / 608.
+// MLA_FWD_SM90_L2_GROUP=N forces N; 0 interleaves all heads (for A/B runs).
 inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb) {
   static int const env = [] {
     char const* e = std::getenv("MLA_FWD_SM90_L2_GROUP");

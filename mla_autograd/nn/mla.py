@@ -8,15 +8,16 @@ outputs match (same rotary layout, same softmax scale including YaRN's mscale).
 Two execution paths:
 
 - Training / prefill (``forward`` without a cache, or the first chunk into an empty cache): the
-  latent is expanded to per-head keys ``[k_nope_h, k_pe]`` (the shared roped part broadcast to every
-  head) and values, and :func:`mla_autograd.attention` (or ``attention_varlen`` for packed batches)
-  runs with bottom-right causal masking. Fully differentiable.
+  latent is expanded to per-head ``k_nope`` and values, and :func:`mla_autograd.mla_attention` (or
+  ``mla_attention_varlen`` for packed batches) runs on the query parts, ``k_nope``, the roped key shared
+  by every head (one head, ``(B, S, 1, d_rope)``) and the values, with bottom-right causal masking.
+  Fully differentiable.
 - Cached inference (``cache=MLACache``): the normalized latent and the roped shared key are written
   into the paged cache. Decode steps (at most ``absorb_max_new_tokens`` = 8 new tokens per sequence)
   run weight-absorbed on the latent (W_UK folded into the query, W_UV applied to the latent output)
   through :func:`mla_autograd.decode`. A prefill into an empty cache attends over the new tokens with
   the expanded path; a longer chunk into a non-empty cache (chunked prefill, or packed sequences of
-  different lengths) expands each sequence's cached latent and runs ``attention_varlen``
+  different lengths) expands each sequence's cached latent and runs ``mla_attention_varlen``
   (bottom-right causal). The absorbed weights are
   computed once and recomputed when ``kv_b_proj.weight`` changes (tracked by its version counter,
   storage and dtype; call :meth:`MultiHeadLatentAttention.invalidate_absorbed` after writing
@@ -44,7 +45,7 @@ def _positive(name: str, value) -> int:
 
 
 def _api():
-    """The package's public attention entry points (attention, attention_varlen, decode)."""
+    """The package's public attention entry points (mla_attention, mla_attention_varlen, decode)."""
     from .. import functional  # late import: keeps `import mla_autograd.nn` free of import cycles
     return functional
 
@@ -195,12 +196,27 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_pe = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
-    def _expand(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent (..., r) + roped shared key (..., d_rope) -> per-head K (..., H, Dqk), V (..., H, Dv)."""
+    def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent (..., r) -> per-head k_nope (..., H, qk_nope) and V (..., H, Dv) (strided views of one
+        projection)."""
         kv = self.kv_b_proj(c).view(*c.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # one backward concat (see _queries)
-        k_pe = k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.qk_rope_head_dim)
-        return torch.cat([k_nope, k_pe], dim=-1), v
+        return k_nope, v
+
+    def _attend(self, q_nope, q_pe, c, k_pe, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                max_seqlen_k=None, deterministic: bool = False) -> torch.Tensor:
+        """Causal (bottom-right) attention of the query parts over the latent c (..., r) and the roped
+        shared key k_pe (..., d_rope), expanded per head: dense (B, S, ...) or, with cu_seqlens, packed
+        (T, ...). Returns (..., H, Dv)."""
+        k_nope, v = self._expand(c)
+        k_pe = k_pe.unsqueeze(-2)  # one head, shared by all: mla_attention expands it at its boundary
+        F_ = _api()
+        if cu_seqlens_q is not None:
+            return F_.mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, causal=True, causal_align="bottom_right",
+                                           softmax_scale=self.softmax_scale, deterministic=deterministic)
+        return F_.mla_attention(q_nope, q_pe, k_nope, k_pe, v, causal=True, causal_align="bottom_right",
+                                softmax_scale=self.softmax_scale, deterministic=deterministic)
 
     @staticmethod
     def _varlen_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -271,17 +287,11 @@ class MultiHeadLatentAttention(nn.Module):
             else:
                 position_ids = torch.arange(h.shape[1], device=h.device)
         q_nope, q_pe, c, k_pe = self._project(h, position_ids)
-        k, v = self._expand(c, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        F_ = _api()
         if packed:
             cu = cu_seqlens.to(device=h.device, dtype=torch.int32)
-            o = F_.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True,
-                                    causal_align="bottom_right", softmax_scale=self.softmax_scale,
-                                    deterministic=deterministic)
+            o = self._attend(q_nope, q_pe, c, k_pe, cu, cu, max_seqlen, max_seqlen, deterministic=deterministic)
         else:
-            o = F_.attention(q, k, v, causal=True, causal_align="bottom_right",
-                             softmax_scale=self.softmax_scale, deterministic=deterministic)
+            o = self._attend(q_nope, q_pe, c, k_pe, deterministic=deterministic)
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
 
     def _check_input(self, h: torch.Tensor, cache: MLACache | None) -> None:
@@ -334,17 +344,9 @@ class MultiHeadLatentAttention(nn.Module):
                 position_ids = cache.positions(h.shape[1]).to(h.device)
         q_nope, q_pe, c, k_pe = self._project(h, position_ids)
         cache.append(c, k_pe, cu_seqlens=cu_seqlens if packed else None, new_lengths=counts)
-        F_ = _api()
         if empty:
             # Prefill into an empty cache: plain causal attention over the new tokens, expanded.
-            k, v = self._expand(c, k_pe)
-            q = torch.cat([q_nope, q_pe], dim=-1)
-            if packed:
-                o = F_.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True,
-                                        causal_align="bottom_right", softmax_scale=self.softmax_scale)
-            else:
-                o = F_.attention(q, k, v, causal=True, causal_align="bottom_right",
-                                 softmax_scale=self.softmax_scale)
+            o = self._attend(q_nope, q_pe, c, k_pe, *((cu, cu, max_seqlen, max_seqlen) if packed else ()))
             return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
         if not packed and h.shape[1] <= self.absorb_max_new_tokens:
             # Decode steps (and short chunks): weight-absorbed attention on the latent cache.
@@ -353,17 +355,14 @@ class MultiHeadLatentAttention(nn.Module):
         # Longer chunks into a non-empty cache (chunked prefill), or packed continuations: expand the
         # whole cached latent of each sequence and run varlen attention, bottom-right causal.
         ckv_all, kpe_all, cu_k, max_k = cache.gather_all()
-        k, v = self._expand(ckv_all.to(c.dtype), kpe_all.to(k_pe.dtype))
-        q = torch.cat([q_nope, q_pe], dim=-1)
         if packed:
             q_cu, max_q = cu, max_seqlen
         else:
-            B, S = q.shape[:2]
-            q = q.reshape(B * S, self.num_heads, self.qk_head_dim)
+            B, S = q_nope.shape[:2]
+            q_nope, q_pe = q_nope.flatten(0, 1), q_pe.flatten(0, 1)
             q_cu = torch.arange(0, B * S + 1, S, device=h.device, dtype=torch.int32)
             max_q = S
-        o = F_.attention_varlen(q, k, v, q_cu, cu_k, max_q, max_k, causal=True, causal_align="bottom_right",
-                                softmax_scale=self.softmax_scale)
+        o = self._attend(q_nope, q_pe, ckv_all.to(c.dtype), kpe_all.to(k_pe.dtype), q_cu, cu_k, max_q, max_k)
         if not packed:
             o = o.view(B, S, self.num_heads, self.v_head_dim)
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))

@@ -7,8 +7,8 @@ kernel). Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plai
 in the same dtype (mla_autograd.testing.naive_attention) + eps. Gradients are NaN-poisoned before
 the call so unwritten elements fail, and so is the kernel's fp32 workspace (fixture `poisoned_workspace`).
 
-`python tests/gpu/test_fmha_bwd_sm90.py --bench [--causal-only] [--no-det]` times the kernel beside cuDNN
-(B=2 H=16 S=8192); MLA_BWD_SM90_L2_GROUP=N in the environment forces the launch grouping.
+MLA_BWD_SM90_L2_GROUP=N in the environment forces the launch grouping. bench/bench_kernels.py bwd times the
+kernel beside cuDNN; tools/kernel_smoke.py bwd runs small cases with a per-gradient error report.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 _CAP_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-if not _CAP_OK and __name__ != "__main__":
+if not _CAP_OK:
     pytest.skip("fmha_bwd_sm90 needs an SM90 GPU (compute capability 9.0)", allow_module_level=True)
 
 from mla_autograd import reference  # noqa: E402
@@ -225,112 +225,3 @@ def test_bad_args(ext):
     with pytest.raises(RuntimeError, match="head dims"):
         ext.bwd(out, q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                 None, None, None, None, 0.1, False, False, False)
-
-
-# ------------------------------------------------------------------------------------------------
-def _bench():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    ext_ = load_family("fmha_bwd_sm90")
-
-    def timeit(fn, iters=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iters):
-            st.record()
-            fn()
-            en.record()
-            torch.cuda.synchronize()
-            times.append(st.elapsed_time(en))
-        times.sort()
-        return times[len(times) // 2] * 1e-3
-
-    B, H, S = 2, 16, 8192
-    cases = (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True))
-    if "--causal-only" in sys.argv:
-        cases = tuple(c for c in cases if c[1])
-    for (d, dv_), causal in cases:
-        torch.manual_seed(0)
-        q = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
-        dout = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
-        scale = 1.0 / math.sqrt(d)
-        flops = 2.5 * 2 * B * H * S * S * (d + dv_) * (0.5 if causal else 1.0)
-        # cuDNN: (fwd + bwd) - fwd
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
-        dot = dout.transpose(1, 2)
-        res = {}
-        try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                def fwd():
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
-
-                def fwdbwd():
-                    o = fwd()
-                    torch.autograd.grad(o, (qt, kt, vt), dot)
-                t_f = timeit(fwd)
-                t_fb = timeit(fwdbwd)
-            res["cudnn_bwd_tflops"] = flops / (t_fb - t_f) / 1e12
-        except Exception as e:  # pragma: no cover
-            res["cudnn_error"] = str(e)[:200]
-        out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for det in (False,) if "--no-det" in sys.argv else (False, True):
-            t = timeit(lambda: ext_.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal,
-                                        False, det))
-            res[f"ours{'_det' if det else ''}_ms"] = round(t * 1e3, 3)
-            res[f"ours{'_det' if det else ''}_tflops"] = round(flops / t / 1e12, 1)
-        print(f"B={B} H={H} S={S} d={d}/{dv_} causal={causal}: {res}", flush=True)
-        del q, k, v, dout, out, lse, dq, dk, dv, qt, kt, vt
-        torch.cuda.empty_cache()
-
-
-def _diagnose(ext_, q, k, v, *, scale, causal, bottom_right):
-    """Per-gradient error report: max error vs the plain-PyTorch baseline, NaN count, worst index, and
-    the share of elements off by more than 5x the baseline (a pattern there points at a layout bug)."""
-    ok = True
-    for name, a, r, b in _kernel_vs_reference(ext_, q, k, v, scale=scale, causal=causal, bottom_right=bottom_right):
-        a, r, b = a.double(), r.double(), b.double()
-        nan = int((~torch.isfinite(a)).sum())
-        diff = (a - r).abs().nan_to_num(float("inf"))
-        base = (b - r).abs().max().item()
-        err = diff.max().item()
-        worst = tuple(int(x) for x in torch.unravel_index(diff.argmax(), diff.shape))
-        bad = (diff > 5 * base + EPS).double().mean().item()
-        good = nan == 0 and err <= 2 * base + EPS
-        ok &= good
-        print(f"    {name}: {'ok ' if good else 'BAD'} err {err:.3e} base {base:.3e} |ref|max {r.abs().max().item():.3e} "
-              f"nan {nan} worst {worst} (got {a[worst].item():.4g}, ref {r[worst].item():.4g}) bad-share {bad:.3f}",
-              flush=True)
-    return ok
-
-
-def _smoke():
-    """Small cases, simplest first, each with a per-gradient error report (for diagnosis, e.g. under
-    compute-sanitizer). Exit status 1 if any case is wrong."""
-    ext_ = load_family("fmha_bwd_sm90")
-    cases = [((1, 64, 1), (1, 128, 1), (False, False)),   # one M-block, one or two K/V blocks
-             ((1, 70, 2), (1, 133, 1), (False, False)),   # ragged, GQA 2:1
-             ((1, 70, 2), (1, 133, 1), (True, False)),
-             ((1, 70, 2), (1, 133, 1), (True, True)),
-             ((2, 300, 4), (2, 200, 2), (True, True))]
-    all_ok = True
-    for d, dv_ in DIMS:
-        for (b, sq, hq), (_, sk, hkv), (causal, br) in cases:
-            q, k, v = _inputs((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv_), torch.bfloat16, seed=5)
-            print(f"smoke d={d}/{dv_} B={b} Sq={sq} Sk={sk} Hq={hq} Hkv={hkv} causal={causal} br={br}:", flush=True)
-            all_ok &= _diagnose(ext_, q, k, v, scale=1.0 / math.sqrt(d), causal=causal, bottom_right=br)
-    print("smoke:", "all ok" if all_ok else "FAILURES", flush=True)
-    return all_ok
-
-
-if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        _bench()
-    if "--smoke" in sys.argv:
-        sys.exit(0 if _smoke() else 1)

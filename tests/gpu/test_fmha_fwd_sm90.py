@@ -7,10 +7,9 @@ Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plain PyTorch
 unwritten elements fail. lse is compared with an absolute tolerance (fp32 on both sides) and must
 be -inf exactly where the reference is.
 
-`python tests/gpu/test_fmha_fwd_sm90.py --bench` times the kernel beside SDPA cuDNN (B=2 H=16 S=8192);
-`--smoke` runs one small case per head-dim pair and mask. The kernel schedule can be forced with
-MLA_FWD_SM90_SCHED=0|1|2 (see csrc/sm90/fmha_fwd_sm90_kernel.cuh); run this file under each before
-changing a config default.
+The kernel schedule can be forced with MLA_FWD_SM90_SCHED=0|1|2 (see csrc/sm90/fmha_fwd_sm90_kernel.cuh); run
+this file under each before changing a config default. bench/bench_kernels.py fwd times the kernel beside SDPA
+cuDNN; tools/kernel_smoke.py fwd runs one small case per head-dim pair and mask.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 _CAP_OK = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-if not _CAP_OK and __name__ != "__main__":
+if not _CAP_OK:
     pytest.skip("fmha_fwd_sm90 needs an SM90 GPU (compute capability 9.0)", allow_module_level=True)
 
 from mla_autograd import reference  # noqa: E402
@@ -314,70 +313,3 @@ def test_public_attention(dims, mask):
                                                max_seqlen_k=max(lk), **kw)
         base = naive_attention(qv, kv, vv, **kw)
         assert_error_within(o, ref_o, base, eps=EPS, name="public attention_varlen")
-
-
-# ---------------------------------------------------------------------------------------------
-def bench(ext=None, B=2, H=16, S=8192, reps=None, dims=((192, 128), (128, 128), (64, 64))):
-    """Median times of the kernel and SDPA cuDNN in one process; prints TF/s."""
-    import triton.testing as tt
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    ext = ext or _load()
-    rows = []
-    for d, dv in dims:
-        for causal in (False, True):
-            g = torch.Generator(device=DEV).manual_seed(0)
-            q = _rand((B, S, H, d), torch.bfloat16, g)
-            k = _rand((B, S, H, d), torch.bfloat16, g)
-            v = _rand((B, S, H, dv), torch.bfloat16, g)
-            out = torch.empty(B, S, H, dv, device=DEV, dtype=torch.bfloat16)
-            lse = torch.empty(B, H, S, device=DEV)
-            scale = 1.0 / math.sqrt(d)
-            fn = lambda: ext.fwd(q, k, v, out, lse, None, None, None, None, scale, causal, True)  # noqa: E731
-            t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            t_cudnn = float("nan")
-            try:
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    f2 = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                        qt, kt, vt, is_causal=causal, scale=scale)
-                    f2()
-                    t_cudnn = tt.do_bench(f2, warmup=50, rep=300, return_mode="median")
-            except Exception as exc:  # noqa: BLE001
-                print(f"cudnn failed for {d}/{dv}: {exc}")
-            r = dict(d=d, dv=dv, causal=causal, ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
-                     cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
-            rows.append(r)
-            print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
-                  f"({t_ours:.3f} ms), cuDNN {r['cudnn_tfs']:.0f} TF/s ({t_cudnn:.3f} ms), "
-                  f"ratio {r['ours_tfs'] / r['cudnn_tfs']:.3f}", flush=True)
-    return rows
-
-
-def smoke():
-    """One small call per head-dim pair and mask (catches hangs/launch errors fast)."""
-    ext = _load()
-    for d, dv in DIMS:
-        for causal, br in MASKS:
-            g = torch.Generator(device=DEV).manual_seed(0)
-            q = _rand((2, 300, 4, d), torch.bfloat16, g)
-            k = _rand((2, 260, 2, d), torch.bfloat16, g)
-            v = _rand((2, 260, 2, dv), torch.bfloat16, g)
-            try:
-                _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=causal, bottom_right=br, name="smoke")
-                print(f"smoke {d}/{dv} causal={causal} br={br}: OK", flush=True)
-            except AssertionError as exc:
-                print(f"smoke {d}/{dv} causal={causal} br={br}: FAIL {exc}", flush=True)
-
-
-if __name__ == "__main__":
-    if "--smoke" in sys.argv:
-        smoke()
-    if "--bench" in sys.argv:
-        # --shape B,H,S (repeatable; default 2,16,8192) and --dims 192 (repeatable) narrow the bench
-        args = sys.argv[1:]
-        shapes = [tuple(int(x) for x in args[i + 1].split(",")) for i, a in enumerate(args) if a == "--shape"]
-        want = [int(args[i + 1]) for i, a in enumerate(args) if a == "--dims"]
-        dims = [dd for dd in [(192, 128), (128, 128), (64, 64)] if not want or dd[0] in want]
-        for B, H, S in shapes or [(2, 16, 8192)]:
-            bench(B=B, H=H, S=S, dims=dims)

@@ -294,7 +294,7 @@ def test_decode_qk_mbarrier_same_bits(ext):
 
 
 def test_read_stamps_empty_in_a_normal_build(ext):
-    # The per-CTA timer stamps (scripts/decode_stamps.py) exist only in a module built with -DMLA_DECODE_STAMPS;
+    # The per-CTA timer stamps (tools/decode_stamps.py) exist only in a module built with -DMLA_DECODE_STAMPS;
     # the normal build writes none, so read_stamps() gives an empty (0, 8) tensor even after a call.
     lens = [100, 3]
     ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, 16)
@@ -555,32 +555,3 @@ def test_decode_schedule_functional_api():
         seqlens += 1  # seqlens is a normal tensor (made outside inference_mode): its version counter moves
         with pytest.raises(ValueError, match="schedule is stale"):  # (the idle slot's 1 < Sq: values unchecked)
             M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, check_values=False, schedule=s)
-
-if __name__ == "__main__":  # quick diagnostics: python tests/gpu/test_mla_decode_sm80.py
-    e = load_family("mla_decode_sm80")
-    for (lens, H, Sq, page, causal, splits) in [([64], 16, 1, 64, False, 0), ([17], 16, 1, 16, False, 0),
-                                                ([1000, 0, 5], 16, 1, 16, False, 0), ([1000, 3], 128, 1, 64, False, 0),
-                                                ([1000, 3], 16, 2, 1, True, 0), ([1000, 64], 16, 1, 64, False, 3)]:
-        torch.manual_seed(0)
-        B = len(lens)
-        ckv, kpe, table = _paged_cache(lens, page, torch.bfloat16, True, 0)
-        qn = torch.randn(B, Sq, H, 512, dtype=torch.bfloat16, device=DEV)
-        qp = torch.randn(B, Sq, H, 64, dtype=torch.bfloat16, device=DEV)
-        sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        out = torch.full((B, Sq, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-        lse = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEV)
-        if splits:
-            e.decode_splits(qn, qp, ckv, kpe, table, sl, out, lse, SCALE, causal, splits)
-        else:
-            e.decode(qn, qp, ckv, kpe, table, sl, out, lse, SCALE, causal)
-        torch.cuda.synchronize()
-        ro, rl = reference.decode_forward(qn.float(), qp.float(), ckv.float(), kpe.float(), table, sl,
-                                          softmax_scale=SCALE, causal=causal)
-        bo, bl = _baseline(qn, qp, ckv, kpe, table, lens, SCALE, causal)
-        d = (out.float() - ro.float()).abs()
-        print(f"lens={lens} H={H} Sq={Sq} page={page} causal={causal} splits={splits}: out nan={int(out.isnan().sum())} "
-              f"err={d.nan_to_num(9e9).max().item():.3e} base_err={(bo.float() - ro.float()).abs().max().item():.3e} "
-              f"lse err={(lse - rl.float()).abs().nan_to_num(9e9).max().item():.3e} lse[0,0]={lse[0,0].tolist()} ref={rl[0,0].tolist()}")
-        if d.nan_to_num(9e9).max() > 0.1:
-            bad = (d.nan_to_num(9e9) > 0.1).nonzero()
-            print("  first bad (b,s,h,d):", bad[:8].tolist(), " count", bad.shape[0])

@@ -28,6 +28,11 @@ class _NaiveAPI:
         from mla_autograd.testing import naive_attention
         return naive_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, bottom_right=True)
 
+    @staticmethod
+    def mla_attention(q_nope, q_pe, k_nope, k_pe, v, **kw):
+        k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
+        return _NaiveAPI.attention(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, **kw)
+
 
 def _layers(hidden=512, heads=16, seed=0):
     torch.manual_seed(seed)

@@ -1,0 +1,170 @@
+"""The SM90 attention kernels alone (their extension entry points: no Python dispatch, preallocated outputs),
+beside SDPA cuDNN in the same process, bf16 random normal inputs.
+
+    python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
+    python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
+
+fwd: median times by triton's do_bench (50 ms warm-up, 300 ms), ours through ext.fwd, cuDNN through SDPA;
+FLOPs 2*B*H*S*S*(Dqk+Dv) (halved when causal). The kernel schedule can be forced with MLA_FWD_SM90_SCHED.
+bwd: ext.bwd alone (preprocess + main + dQ convert) on out/lse of the reference forward (no forward kernel
+needed), median of 10 CUDA-event timed calls after 3 warm-up calls, also in deterministic mode (unless
+--no-det); cuDNN's backward as (fwd+bwd) - fwd in the same process; FLOPs 2.5 x the forward's.
+MLA_BWD_SM90_L2_GROUP=N forces the launch grouping. Both print one line per workload (B=...) and add the run
+to the results store (bench/results/fwd-kernel.json, bwd-kernel.json; bench/store.py), MLA_* settings in the
+run's env; --out FILE writes the run alone to FILE instead.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from mla_autograd import reference  # noqa: E402
+from mla_autograd._build import load_family  # noqa: E402
+
+from common import stamp  # noqa: E402
+from store import record  # noqa: E402
+
+DEV = "cuda"
+
+
+def _rand(shape, dtype, g):
+    return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
+
+
+def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64))):
+    """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows."""
+    import triton.testing as tt
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ext = ext or load_family("fmha_fwd_sm90")
+    rows = []
+    for d, dv in dims:
+        for causal in (False, True):
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q = _rand((B, S, H, d), torch.bfloat16, g)
+            k = _rand((B, S, H, d), torch.bfloat16, g)
+            v = _rand((B, S, H, dv), torch.bfloat16, g)
+            out = torch.empty(B, S, H, dv, device=DEV, dtype=torch.bfloat16)
+            lse = torch.empty(B, H, S, device=DEV)
+            scale = 1.0 / math.sqrt(d)
+            fn = lambda: ext.fwd(q, k, v, out, lse, None, None, None, None, scale, causal, True)  # noqa: E731
+            t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            t_cudnn = float("nan")
+            try:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    f2 = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        qt, kt, vt, is_causal=causal, scale=scale)
+                    f2()
+                    t_cudnn = tt.do_bench(f2, warmup=50, rep=300, return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                print(f"cudnn failed for {d}/{dv}: {exc}")
+            r = dict(B=B, H=H, S=S, d=d, dv=dv, causal=causal, ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
+                     cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
+            rows.append(r)
+            print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
+                  f"({t_ours:.3f} ms), cuDNN {r['cudnn_tfs']:.0f} TF/s ({t_cudnn:.3f} ms), "
+                  f"ratio {r['ours_tfs'] / r['cudnn_tfs']:.3f}", flush=True)
+    return rows
+
+
+def bench_bwd(causal_only=False, det=True):
+    """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ext_ = load_family("fmha_bwd_sm90")
+
+    def timeit(fn, iters=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(iters):
+            st.record()
+            fn()
+            en.record()
+            torch.cuda.synchronize()
+            times.append(st.elapsed_time(en))
+        times.sort()
+        return times[len(times) // 2] * 1e-3
+
+    B, H, S = 2, 16, 8192
+    cases = (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True))
+    if causal_only:
+        cases = tuple(c for c in cases if c[1])
+    rows = []
+    for (d, dv_), causal in cases:
+        torch.manual_seed(0)
+        q = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
+        dout = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
+        scale = 1.0 / math.sqrt(d)
+        flops = 2.5 * 2 * B * H * S * S * (d + dv_) * (0.5 if causal else 1.0)
+        # cuDNN: (fwd + bwd) - fwd
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+        dot = dout.transpose(1, 2)
+        res = {"B": B, "H": H, "S": S, "dqk": d, "dv": dv_, "causal": causal}
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                def fwd():
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+
+                def fwdbwd():
+                    o = fwd()
+                    torch.autograd.grad(o, (qt, kt, vt), dot)
+                t_f = timeit(fwd)
+                t_fb = timeit(fwdbwd)
+            res["cudnn_bwd_tflops"] = flops / (t_fb - t_f) / 1e12
+        except Exception as e:  # pragma: no cover
+            res["cudnn_error"] = str(e)[:200]
+        out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for det_ in (False, True) if det else (False,):
+            t = timeit(lambda: ext_.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal,
+                                        False, det_))
+            res[f"ours{'_det' if det_ else ''}_ms"] = round(t * 1e3, 3)
+            res[f"ours{'_det' if det_ else ''}_tflops"] = round(flops / t / 1e12, 1)
+        print(f"B={B} H={H} S={S} d={d}/{dv_} causal={causal}: {res}", flush=True)
+        rows.append(res)
+        del q, k, v, dout, out, lse, dq, dk, dv, qt, kt, vt
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", choices=("fwd", "bwd"))
+    ap.add_argument("--shape", action="append", default=None, metavar="B,H,S", help="fwd: repeatable (default 2,16,8192)")
+    ap.add_argument("--dims", action="append", type=int, default=None, help="fwd: only these Dqk (192, 128, 64); repeatable")
+    ap.add_argument("--causal-only", action="store_true", help="bwd: the causal workloads only")
+    ap.add_argument("--no-det", action="store_true", help="bwd: not in deterministic mode too")
+    ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
+    ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU (SM90)")
+    meta = stamp()
+    if a.kernel == "fwd":
+        dims = [dd for dd in ((192, 128), (128, 128), (64, 64)) if not a.dims or dd[0] in a.dims]
+        shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
+        ext = load_family("fmha_fwd_sm90")
+        rows = [r for B, H, S in shapes for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims)]
+    else:
+        rows = bench_bwd(a.causal_only, not a.no_det)
+    print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Where bench_decode, bench_kernels and bench_layer write their runs (CPU): the bench's results store (an A/B
+decode run in a store of its own), or --out's file alone; a CPU smoke run of bench_layer only with --out.
+The kernels need a GPU: bench_decode's and bench_kernels' timing functions are replaced by fakes here, and
+bench_layer runs for real at its --small sizes on the reference path."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+STAMP = {"gpu": "fake", "torch": "x", "cudnn": 0, "commit": "c0ffee", "date": "2026-01-02T03:04:05Z"}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture()
+def decode(monkeypatch):
+    mod = _load("bench_decode")
+    calls = []
+
+    def fake_run_case(ext, B, S, H, page, Sq=1, dtype=None, sdpa=True, tune=mod.AUTO):
+        calls.append((B, S, H, tuple(tune)))
+        us = 100.0 + len(calls)
+        return {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": "bfloat16", "tune": list(tune),
+                **{f"{k}_us": us for k in ("kernel", "graph", "sched", "sched_graph", "plan_graph")},
+                **{f"{k}_GBps": 1.0 for k in ("kernel", "graph", "sched", "sched_graph")},
+                "kernel_TFps": 1.0, "sched_TFps": 1.0}
+    monkeypatch.setattr(mod, "load_family", lambda name: None)
+    monkeypatch.setattr(mod, "run_case", fake_run_case)
+    monkeypatch.setattr(mod, "stamp", lambda: dict(STAMP))
+    monkeypatch.setattr(mod.torch.cuda, "get_device_name", lambda *a: "fake")
+    mod.plotted = []
+    monkeypatch.setattr(mod, "plot", lambda rows, path: mod.plotted.append((len(rows), Path(path).name)))
+    mod.calls = calls
+    return mod
+
+
+def test_decode_runs_go_to_decode_or_decode_ab(decode, tmp_path):
+    decode.main(["--quick", "--results", str(tmp_path)])
+    st = json.loads((tmp_path / "decode.json").read_text())
+    assert len(st["runs"]) == 1 and st["runs"][0]["tune_fields"] == list(decode.TUNE_FIELDS)
+    assert [(r["B"], r["H"]) for r in st["rows"]] == [(128, 16), (128, 128), (4, 16)]
+    assert all(r["commit"] == "c0ffee" and r["gpu"] == "fake" for r in st["rows"])
+    assert decode.plotted == [(3, "decode.png")]
+
+    ab = "0,0,0,-1,-1,-1,-1,-1,2"
+    decode.main(["--quick", "--ab", ab, "--rounds", "2", "--results", str(tmp_path)])
+    st_ab = json.loads((tmp_path / "decode-ab.json").read_text())
+    tune = [int(x) for x in ab.split(",")]
+    # each case twice per round, the order alternating, and every row's round recorded
+    assert [(r["round"], r["tune"] == tune) for r in st_ab["rows"][:2]] == [(0, False), (0, True)]
+    assert [(r["round"], r["tune"] == tune) for r in st_ab["rows"][6:8]] == [(1, True), (1, False)]
+    assert len(st_ab["rows"]) == 12
+    assert json.loads((tmp_path / "decode.json").read_text()) == st  # the plain store is left alone
+
+    decode.main(["--quick", "--results", str(tmp_path), "--out", str(tmp_path / "one.json")])
+    assert json.loads((tmp_path / "decode.json").read_text()) == st
+    assert len(json.loads((tmp_path / "one.json").read_text())["rows"]) == 3
+
+    decode.plotted.clear()
+    decode.main(["--replot", "--results", str(tmp_path)])  # the latest run of the store, drawn beside it
+    assert decode.plotted == [(3, "decode.png")]
+
+
+def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
+    mod = _load("bench_kernels")
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mod, "stamp", lambda: dict(STAMP))
+    monkeypatch.setattr(mod, "load_family", lambda name: None)
+    seen = []
+
+    def fake_fwd(ext, B, H, S, dims):
+        seen.append((B, H, S, tuple(dims)))
+        return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
+    monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
+    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det: [{"causal": causal_only, "det": det}])
+    assert mod.main(["fwd", "--shape", "1,2,128", "--shape", "2,4,256", "--dims", "64", "--results", str(tmp_path)]) == 0
+    assert seen == [(1, 2, 128, ((64, 64),)), (2, 4, 256, ((64, 64),))]
+    assert len(json.loads((tmp_path / "fwd-kernel.json").read_text())["rows"]) == 2
+    assert mod.main(["bwd", "--causal-only", "--no-det", "--results", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "bwd-kernel.json").read_text())["rows"]
+    assert (row["causal"], row["det"], row["commit"]) == (True, False, "c0ffee")
+
+
+def test_layer_cpu_smoke_writes_only_with_out(tmp_path):
+    mod = _load("bench_layer")
+    assert mod.main(["--device", "cpu", "--small", "--skip-train", "--results", str(tmp_path)]) == 0
+    assert not list(tmp_path.iterdir())  # a CPU run never goes to the store
+    out = tmp_path / "run.json"
+    assert mod.main(["--device", "cpu", "--small", "--skip-train", "--out", str(out)]) == 0
+    st = json.loads(out.read_text())
+    (run,) = st["runs"]
+    assert run["gpu"] == "cpu" and run["config"]["heads"] == 8 and run["backends"]["decode"] == "reference"
+    rows = {(r["measure"], r["impl"]): r for r in st["rows"]}
+    assert ("decode_step", "mla_autograd") in rows
+    assert all(r["median_ms"] > 0 for r in rows.values() if "error" not in r)
+    assert all(r["date"] == run["date"] for r in st["rows"])
