@@ -227,7 +227,7 @@ def explain_call(call: Call) -> Decision:
 
 # Reasons already announced (the set of row-rejection reasons, without the op, dtype or dims).
 _warned: set[tuple[str, ...]] = set()
-_decisions: dict = {}
+_decisions: dict = {}  # (call, MLA_AUTOGRAD_BACKEND) -> (decision, its reason key, None for a kernel)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -277,15 +277,16 @@ def _warn_fallback(call: Call, msg: str) -> None:
     here = sys._getframe(1)
     site = call_site(here)
     if call.op == "attn_bwd":
-        forward = f"mla_autograd.{'attention_varlen' if call.varlen else 'attention'}"
+        kind = "varlen attention" if call.varlen else "attention"
         if site is not None:
-            msg += f" (in the backward of {forward})"
+            msg += f" (in the backward of an mla_autograd {kind} call)"
         else:
             site = getattr(_backward, "site", None)
             if site is not None:
-                msg += f" (in the backward of the {forward} call on this line)"
+                msg += f" (in the backward of the mla_autograd {kind} call on this line)"
             else:
-                msg += f" (in the backward of {forward}, run by the autograd engine without a Python caller)"
+                msg += (f" (in the backward of an mla_autograd {kind} call, run by the autograd engine without "
+                        f"a Python caller)")
     if site is None:
         f = here
         while f.f_back is not None:
@@ -303,13 +304,14 @@ def select(call: Call) -> Decision:
     fallbacks once per reason (the reasons the kernel rows give, whatever the op, dtype or dims), at the
     caller's line outside mla_autograd and torch."""
     key = (call, os.environ.get("MLA_AUTOGRAD_BACKEND"))
-    d = _decisions.get(key)
-    if d is None:
-        d = _decisions[key] = explain_call(call)
-    if d.family is None:
+    entry = _decisions.get(key)
+    if entry is None:
+        d = explain_call(call)
+        entry = _decisions[key] = (d, None if d.family is not None else _reason_key(d))
+    d, reason = entry
+    if reason is not None:
         if os.environ.get("MLA_AUTOGRAD_STRICT", "0") not in ("", "0"):
             raise RuntimeError(_fallback_message(call, d) + " (MLA_AUTOGRAD_STRICT=1 forbids the fallback)")
-        reason = _reason_key(d)
         if reason not in _warned:
             _warned.add(reason)
             _warn_fallback(call, _fallback_message(call, d))

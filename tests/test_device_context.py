@@ -101,6 +101,22 @@ def test_attention_varlen_under_meta_default_device():
     _same(got, want)
 
 
+def test_mla_attention_under_meta_default_device():
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+             for shape in ((2, 5, 4, 8), (2, 5, 4, 4), (2, 6, 2, 8), (2, 6, 1, 4), (2, 6, 2, 6))]
+
+    def run():
+        out = M.mla_attention(*parts, causal=True)
+        return (out.detach(), *torch.autograd.grad(out, parts, torch.ones_like(out)))
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+        assert M.explain_mla(*parts).forward.backend == "reference"
+    _same(got, want)
+
+
 @pytest.mark.parametrize("check_values", [True, False])
 def test_decode_and_schedule_under_meta_default_device(check_values):
     args = _decode_case()

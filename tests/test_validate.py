@@ -255,3 +255,30 @@ def test_decode_value_errors_name_the_entry(lens, table, match):
             return
         with pytest.raises(ValueError, match=match):
             M.decode(**args, softmax_scale=0.1)
+
+
+def _mla_parts():
+    return [torch.randn(2, 5, 4, 8), torch.randn(2, 5, 4, 4), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 1, 4),
+            torch.randn(2, 6, 2, 6)]
+
+
+@pytest.mark.parametrize("i,fn", [
+    (0, lambda t: t.int()),
+    (2, lambda t: torch.randn(2, 6, 3, 8)),          # 4 query heads over 3 kv heads
+    (3, lambda t: torch.randn(2, 6, 2, 5)),
+    (1, lambda t: t.double()),
+    (4, lambda t: t[:, :3]),
+])
+def test_explain_mla_raises_what_mla_attention_raises(i, fn):
+    parts = _mla_parts()
+    if i == 2:
+        parts[4] = torch.randn(2, 6, 3, 6)
+    parts[i] = fn(parts[i])
+    want = _error_of(lambda: M.mla_attention(*parts))
+    assert want is not None
+    assert _error_of(lambda: M.explain_mla(*parts)) == want
+    packed = [p[0] for p in parts]
+    cq = cu([packed[0].shape[0]])
+    ck = cu([packed[2].shape[0]])
+    want = _error_of(lambda: M.mla_attention_varlen(*packed, cq, ck, 5, 6))
+    assert want is not None and _error_of(lambda: M.explain_mla(*packed, varlen=True)) == want
