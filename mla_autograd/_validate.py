@@ -87,7 +87,7 @@ def check_values_override() -> bool | None:
     return env.strip() not in ("0", "")
 
 
-def check_values_enabled(requested: bool, *tensors: torch.Tensor) -> bool:
+def check_values_enabled(*tensors: torch.Tensor, requested: bool = True) -> bool:
     """Whether a call checks tensor values: its own setting `requested`, overridden by
     MLA_AUTOGRAD_CHECK_VALUES, and never while tracing or capturing (`tensors`: the call's inputs)."""
     forced = check_values_override()
@@ -183,7 +183,7 @@ def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                          f"{cu_seqlens_k.numel()}) must both have length batch_size + 1")
     for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _check_count(n, m)
-    if check_values_enabled(VARLEN_CHECK_VALUES, ref, cu_seqlens_q, cu_seqlens_k):
+    if check_values_enabled(ref, cu_seqlens_q, cu_seqlens_k, requested=VARLEN_CHECK_VALUES):
         _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
                                   ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)))
 
@@ -296,7 +296,7 @@ def check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_s
 def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, *,
                  check_values: bool = DECODE_CHECK_VALUES, schedule=None) -> None:
     """See mla_autograd.decode for shapes. Metadata first (the schedule's too, when one is given); then,
-    if check_values_enabled(check_values, ...), the values, in one small device-to-host copy."""
+    if check_values_enabled(..., requested=check_values), the values, in one small device-to-host copy."""
     check_decode_explain(q_nope, q_pe, ckv_cache)
     _check_tensor("kpe_cache", kpe_cache, 3)
     _check_tensor("block_table", block_table, 2)
@@ -324,7 +324,7 @@ def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
     softmax_scale_or_default(softmax_scale, 1)
     if schedule is not None:
         check_decode_schedule(schedule, q_nope, cache_seqlens)
-    if check_values_enabled(check_values, q_nope, block_table, cache_seqlens):
+    if check_values_enabled(q_nope, block_table, cache_seqlens, requested=check_values):
         _check_decode_values(q_nope.shape[1], q_nope.shape[2], ckv_cache, block_table, cache_seqlens,
                              None if schedule is None else schedule.seqlens_copy)
 
