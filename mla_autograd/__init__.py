@@ -9,6 +9,7 @@ Public API:
     explain(q, k, v, ...) / explain_mla(...) / explain_decode(...): which backend serves a call, and why
     mla_autograd.nn.MultiHeadLatentAttention: the layer
     mla_autograd.reference: the pure-PyTorch path
+    mla_autograd.distributed: context parallelism (ring attention over a sharded sequence)
 """
 from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
 from . import reference
@@ -18,11 +19,11 @@ from .schedule import DecodeSchedule
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "mla_attention", "mla_attention_varlen", "decode", "decode_schedule",
-           "DecodeSchedule", "explain", "explain_mla", "explain_decode", "reference", "nn"]
+           "DecodeSchedule", "explain", "explain_mla", "explain_decode", "reference", "nn", "distributed"]
 
 
 def __getattr__(name):
-    if name == "nn":  # imported lazily: the layer pulls in more than the ops need
+    if name in ("nn", "distributed"):  # imported lazily: they pull in more than the ops need
         import importlib
-        return importlib.import_module(".nn", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'mla_autograd' has no attribute {name!r}")

@@ -89,3 +89,21 @@ def test_compile_aliased_inputs_varlen():
     x2 = x.detach().clone().requires_grad_(True)
     M.attention_varlen(x2, x2, x2, cu, cu, 4, 4, causal=True).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_sm100_forward_output_carries_its_own_padding():
+    """fmha_fwd_sm100's output is a view max_rows_q rows into its own allocation, so CUTLASS example 77's
+    varlen epilogue (whose descriptor starts that many rows before the output) writes it in place."""
+    from mla_autograd._ops import _kernel_ready, _new_out
+    q, v = torch.empty(7, 3, 192), torch.empty(9, 2, 128)
+    out = _new_out(q, v, "fmha_fwd_sm100", 5)
+    assert out.shape == (7, 3, 128) and out.is_contiguous()
+    assert out.storage_offset() == 5 * 3 * 128
+    assert out.untyped_storage().nbytes() == (5 + 7) * 3 * 128 * out.element_size()
+    plain = _new_out(q, v, "fmha_fwd_sm90", 5)
+    assert plain.shape == (7, 3, 128) and plain.storage_offset() == 0
+    # expanded (stride-0) inputs are copied before any kernel sees them
+    k = torch.randn(2, 1, 1, 64).expand(2, 16, 4, 64)
+    assert k.stride()[1] == 0 and _kernel_ready(k).is_contiguous()
+    dense = torch.randn(2, 16, 4, 64)
+    assert _kernel_ready(dense) is dense
