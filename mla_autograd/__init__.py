@@ -13,8 +13,9 @@ Public API:
 """
 from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
 from . import reference
-from .functional import (DecodeSchedule, attention, attention_varlen, decode, decode_schedule, explain,
-                         explain_decode, explain_mla, mla_attention, mla_attention_varlen)
+from .functional import (attention, attention_varlen, decode, decode_schedule, explain, explain_decode, explain_mla,
+                         mla_attention, mla_attention_varlen)
+from .schedule import DecodeSchedule
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "mla_attention", "mla_attention_varlen", "decode", "decode_schedule",

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops  # noqa: F401  (registers torch.ops.mla_autograd.*)
+from . import _dispatch, _ops  # _ops registers torch.ops.mla_autograd.*
 
-__all__ = ["FusedAttentionFunction", "distinct_inputs"]
+__all__ = ["FusedAttentionFunction", "distinct_inputs", "record_call_site"]
 
 
 def _no_double_backward(ctx, *grads):
@@ -33,23 +33,36 @@ def distinct_inputs(*tensors):
     return tuple(out)
 
 
+def record_call_site(q, k, v):
+    """The caller's line outside mla_autograd and torch (one short walk up the stack), in eager mode when a
+    backward can follow (grad enabled, an input requires grad); else None (nothing is walked)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return _dispatch.call_site()
+
+
 class FusedAttentionFunction(torch.autograd.Function):
     """Dense or varlen attention: forward = mla_autograd::attn_fwd, backward = mla_autograd::attn_bwd.
 
     Saves q, k, v, out and the float32 LSE (never the attention matrix); the backward recomputes P.
     The LSE output is returned as non-differentiable, as in FlashAttention. Double backward is not
-    supported and raises.
+    supported and raises. call_site: where the public call was made (see record_call_site), kept for a
+    reference-path warning of the backward, which the autograd engine may run on a thread with no Python
+    caller.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, bottom_right, deterministic):
+                causal, bottom_right, deterministic, call_site=None):
         fwd = _ops._attn_fwd if _ops.eager_direct(q, k, v) else torch.ops.mla_autograd.attn_fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        bottom_right)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic)
         ctx.mark_non_differentiable(lse)
+        ctx.call_site = call_site
         return out, lse
 
     @staticmethod
@@ -59,6 +72,14 @@ class FusedAttentionFunction(torch.autograd.Function):
         # create_graph=True runs this with grad enabled: the op then raises (no double backward)
         direct = _ops.eager_direct(dout, q, k, v) and not torch.is_grad_enabled()
         bwd = _ops._attn_bwd if direct else torch.ops.mla_autograd.attn_bwd
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
-                         deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        if torch.compiler.is_compiling():
+            dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
+                             deterministic)
+        else:
+            _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
+            try:
+                dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
+                                 deterministic)
+            finally:
+                _dispatch.set_backward_site(None)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None

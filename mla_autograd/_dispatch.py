@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
+import threading
 import warnings
 from typing import Callable
 
@@ -223,23 +225,94 @@ def explain_call(call: Call) -> Decision:
     raise AssertionError(f"dispatch table has no fallback row for {call.op}")  # pragma: no cover
 
 
-_warned: set[str] = set()
-_decisions: dict = {}
+# Reasons already announced (the set of row-rejection reasons, without the op, dtype or dims).
+_warned: set[tuple[str, ...]] = set()
+_decisions: dict = {}  # (call, MLA_AUTOGRAD_BACKEND) -> (decision, its reason key, None for a kernel)
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# The forward's call site while an attention backward runs (set by _autograd.FusedAttentionFunction).
+_backward = threading.local()
+
+
+def _internal(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_DIR) or filename.startswith(_TORCH_DIR)
+
+
+def call_site(frame=None):
+    """(filename, lineno, module globals) of the innermost frame outside mla_autograd and torch, starting
+    at `frame` (default: the caller's); None when every frame is inside them (the autograd engine's
+    device threads run backward functions with no Python caller)."""
+    f = sys._getframe(1) if frame is None else frame
+    while f is not None and _internal(f.f_code.co_filename):
+        f = f.f_back
+    return None if f is None else (f.f_code.co_filename, f.f_lineno, f.f_globals)
+
+
+def set_backward_site(site) -> None:
+    """Record (or clear, with None) the forward call site of the backward now running on this thread."""
+    _backward.site = site
+
+
+def _reason_key(d: Decision) -> tuple[str, ...]:
+    if os.environ.get("MLA_AUTOGRAD_BACKEND") == "reference":
+        return ("MLA_AUTOGRAD_BACKEND=reference",)
+    return tuple(dict.fromkeys(why for _, why in d.passed_over)) or ("no kernel row for this op",)
+
+
+def _fallback_message(call: Call, d: Decision) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for backend, why in d.passed_over:
+        by_reason.setdefault(why, []).append(backend)
+    reason = "; ".join(f"{', '.join(b)}: {why}" for why, b in by_reason.items()) or d.reason
+    return (f"mla_autograd: {call.op} on {call.device.type} ({str(call.dtype).replace('torch.', '')}, "
+            f"dims {call.dims}) runs on the pure-PyTorch reference path: {reason}")
+
+
+def _warn_fallback(call: Call, msg: str) -> None:
+    """Issue the fallback warning at the user's line: the innermost frame outside mla_autograd and torch.
+    A backward run by an autograd engine thread has no such frame: it is attributed to the forward's call
+    site recorded by the autograd Function, else to the outermost frame there is."""
+    msg += " (announced once per reason; mla_autograd.explain / explain_decode tell the route of a call)"
+    here = sys._getframe(1)
+    site = call_site(here)
+    if call.op == "attn_bwd":
+        kind = "varlen attention" if call.varlen else "attention"
+        if site is not None:
+            msg += f" (in the backward of an mla_autograd {kind} call)"
+        else:
+            site = getattr(_backward, "site", None)
+            if site is not None:
+                msg += f" (in the backward of the mla_autograd {kind} call on this line)"
+            else:
+                msg += (f" (in the backward of an mla_autograd {kind} call, run by the autograd engine without "
+                        f"a Python caller)")
+    if site is None:
+        f = here
+        while f.f_back is not None:
+            f = f.f_back
+        site = (f.f_code.co_filename, f.f_lineno, f.f_globals)
+    filename, lineno, module_globals = site
+    # what warnings.warn(stacklevel=...) does for a frame on the stack, for a frame found by walking
+    warnings.warn_explicit(msg, UserWarning, filename, lineno, module=module_globals.get("__name__", "<string>"),
+                           registry=module_globals.setdefault("__warningregistry__", {}),
+                           module_globals=module_globals)
 
 
 def select(call: Call) -> Decision:
     """Choose the backend for a call (memoised: this runs on every op call); announce reference
-    fallbacks once per reason."""
+    fallbacks once per reason (the reasons the kernel rows give, whatever the op, dtype or dims), at the
+    caller's line outside mla_autograd and torch."""
     key = (call, os.environ.get("MLA_AUTOGRAD_BACKEND"))
-    d = _decisions.get(key)
-    if d is None:
-        d = _decisions[key] = explain_call(call)
-    if d.family is None:
-        msg = (f"mla_autograd: {call.op} on {call.device.type} ({str(call.dtype).replace('torch.', '')}, "
-               f"dims {call.dims}) runs on the pure-PyTorch reference path: {d.reason}")
+    entry = _decisions.get(key)
+    if entry is None:
+        d = explain_call(call)
+        entry = _decisions[key] = (d, None if d.family is not None else _reason_key(d))
+    d, reason = entry
+    if reason is not None:
         if os.environ.get("MLA_AUTOGRAD_STRICT", "0") not in ("", "0"):
-            raise RuntimeError(msg + " (MLA_AUTOGRAD_STRICT=1 forbids the fallback)")
-        if msg not in _warned:
-            _warned.add(msg)
-            warnings.warn(msg, stacklevel=4)
+            raise RuntimeError(_fallback_message(call, d) + " (MLA_AUTOGRAD_STRICT=1 forbids the fallback)")
+        if reason not in _warned:
+            _warned.add(reason)
+            _warn_fallback(call, _fallback_message(call, d))
     return d

@@ -2,8 +2,18 @@
 
 Shape, dtype, device and stride checks read metadata only. Checks that read tensor values
 (cu_seqlens monotone and consistent, block_table entries in range, cache_seqlens within capacity)
-cost one small device-to-host copy; they are skipped while torch.compile traces or a CUDA graph is
-being captured, and can be switched off with MLA_AUTOGRAD_CHECK_VALUES=0.
+are computed on the inputs' device into one small int64 result, and only that is copied to the host:
+one device-to-host copy of 8 bytes per call, which on a GPU is a synchronisation of the current
+stream (the host waits for all work queued before the call). The precise error (which entry, its
+value) is then read with further small copies, only when a check has failed. The helpers here make
+every tensor on the device of their inputs (never on the default device: they run unchanged under
+``with torch.device(...)``).
+
+Which calls check values: attention_varlen when VARLEN_CHECK_VALUES (default True), decode when its
+``check_values`` argument says so (default DECODE_CHECK_VALUES, True). MLA_AUTOGRAD_CHECK_VALUES
+overrides both: ``0`` (or empty) never checks, any other value (``1``) checks every call, decode calls
+that pass check_values=False included. The checks are always skipped while torch.compile traces or a
+CUDA graph is being captured (a host copy is impossible there).
 """
 from __future__ import annotations
 
@@ -11,6 +21,8 @@ import math
 import os
 
 import torch
+
+from .schedule import DecodeSchedule
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -50,6 +62,14 @@ def _same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
         raise TypeError(f"{name} has dtype {_name(t.dtype)} but {ref_name} has {_name(ref.dtype)}")
 
 
+#: Whether attention_varlen checks the values of cu_seqlens_q / cu_seqlens_k against the packed token
+#: counts and max_seqlen_q / max_seqlen_k (one small device-to-host copy per call, see the module docstring).
+VARLEN_CHECK_VALUES = True
+#: The default of decode's ``check_values`` argument (cache_seqlens within capacity, used block_table
+#: entries in range; one small device-to-host copy per call).
+DECODE_CHECK_VALUES = True
+
+
 def tracing_or_capturing(*tensors: torch.Tensor) -> bool:
     """torch.compile is tracing, or a CUDA graph is being captured on the current stream (for CUDA
     tensors): host-side checks of tensor state are skipped then."""
@@ -58,10 +78,32 @@ def tracing_or_capturing(*tensors: torch.Tensor) -> bool:
     return any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
 
 
-def check_values_enabled(*tensors: torch.Tensor) -> bool:
-    if os.environ.get("MLA_AUTOGRAD_CHECK_VALUES", "1") in ("0", ""):
+def check_values_override() -> bool | None:
+    """MLA_AUTOGRAD_CHECK_VALUES: False for ``0`` or empty (never check values), True for any other value
+    (check them in every call), None when unset (each call's own setting)."""
+    env = os.environ.get("MLA_AUTOGRAD_CHECK_VALUES")
+    if env is None:
+        return None
+    return env.strip() not in ("0", "")
+
+
+def check_values_enabled(*tensors: torch.Tensor, requested: bool = True) -> bool:
+    """Whether a call checks tensor values: its own setting `requested`, overridden by
+    MLA_AUTOGRAD_CHECK_VALUES, and never while tracing or capturing (`tensors`: the call's inputs)."""
+    forced = check_values_override()
+    if not (requested if forced is None else forced):
         return False
     return not tracing_or_capturing(*tensors)
+
+
+def _first_true(mask: torch.Tensor) -> int:
+    """Index of the first True of a 1-D bool mask, or its length if none: one reduction on the mask's
+    device, then the one device-to-host copy (8 bytes) of the value checks."""
+    n = mask.numel()
+    if n == 0:
+        return 0
+    pos = torch.arange(n, device=mask.device)
+    return int(torch.where(mask, pos, n).amin().item())
 
 
 def softmax_scale_or_default(softmax_scale, dqk: int) -> float:
@@ -108,6 +150,15 @@ def check_attention(q, k, v) -> None:
         raise ValueError(f"k batch size {k.shape[0]} must equal q batch size {q.shape[0]}")
 
 
+def check_explain(q, k, v, varlen: bool) -> None:
+    """What explain checks: the tensor checks of attention (or, with varlen, of attention_varlen's packed
+    q, k, v), so that it raises the error the call would raise."""
+    if varlen:
+        _check_qkv(q, k, v, 3)
+    else:
+        check_attention(q, k, v)
+
+
 def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """Packed q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv), cu_seqlens int32 (B+1,)."""
     _check_qkv(q, k, v, 3)
@@ -118,7 +169,7 @@ def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                           ref: torch.Tensor, total_q: int, total_k: int) -> None:
     """cu_seqlens_q/k int32 (B+1,) on ref's device, starting at 0, non-decreasing, ending at the packed
     token counts total_q / total_k; max_seqlen_q/k ints at least the longest sequence. The value checks
-    cost one small device-to-host copy (skipped under tracing / capture, see check_values_enabled)."""
+    are computed on ref's device and cost one 8-byte device-to-host copy (see the module docstring)."""
     for n, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(n, cu, 1)
         if cu.dtype != torch.int32:
@@ -132,23 +183,58 @@ def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                          f"{cu_seqlens_k.numel()}) must both have length batch_size + 1")
     for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _check_count(n, m)
-    if not check_values_enabled(ref, cu_seqlens_q):
+    if check_values_enabled(ref, cu_seqlens_q, cu_seqlens_k, requested=VARLEN_CHECK_VALUES):
+        _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+                                  ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)))
+
+
+def _check_cu_seqlens_values(specs) -> None:
+    """specs: (name, cu int32 (B+1,), packed token count, max_seqlen name, max_seqlen) per cu_seqlens.
+
+    On the device, per cu: [cu[0] != 0] + [len_b < 0 for each b] + [cu[-1] != total] + [len_b > max for
+    each b], all concatenated in that order (which is the order errors are reported in); one reduction
+    finds the first failure and only its index crosses to the host."""
+    c = torch.stack([cu for _, cu, _, _, _ in specs]).long()  # int64: differences of int32 cannot wrap
+    lens = c[:, 1:] - c[:, :-1]
+    parts = []
+    for i, (_, _, total, _, mx) in enumerate(specs):
+        parts += [c[i, :1] != 0, lens[i] < 0, c[i, -1:] != total, lens[i] > mx]
+    first = _first_true(torch.cat(parts))
+    B = lens.shape[1]
+    per = 2 * B + 2
+    if first >= per * len(specs):
         return
-    both = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu().long()
-    for i, (n, total, mx, mxn) in enumerate((("cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q"),
-                                             ("cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k"))):
-        cu = both[i]
-        if cu[0].item() != 0:
-            raise ValueError(f"{n}[0] must be 0, got {cu[0].item()}")
-        lens = cu[1:] - cu[:-1]
-        if (lens < 0).any():
-            bad = int(torch.nonzero(lens < 0)[0])
-            raise ValueError(f"{n} must be non-decreasing: {n}[{bad + 1}] = {cu[bad + 1].item()} < "
-                             f"{n}[{bad}] = {cu[bad].item()}")
-        if cu[-1].item() != total:
-            raise ValueError(f"{n}[-1] = {cu[-1].item()} must equal the number of packed tokens ({total})")
-        if lens.numel() and lens.max().item() > mx:
-            raise ValueError(f"{mxn} = {mx} is smaller than the longest sequence ({lens.max().item()})")
+    i, j = divmod(first, per)
+    n, _, total, mxn, mx = specs[i]
+    cu = c[i]
+    # A check failed: read what the message needs (the call raises, so these copies cost nothing that matters).
+    if j == 0:
+        raise ValueError(f"{n}[0] must be 0, got {cu[0].item()}")
+    if j <= B:
+        b = j - 1
+        raise ValueError(f"{n} must be non-decreasing: {n}[{b + 1}] = {cu[b + 1].item()} < "
+                         f"{n}[{b}] = {cu[b].item()}")
+    if j == B + 1:
+        raise ValueError(f"{n}[-1] = {cu[-1].item()} must equal the number of packed tokens ({total})")
+    raise ValueError(f"{mxn} = {mx} is smaller than the longest sequence ({lens[i].max().item()})")
+
+
+def check_decode_explain(q_nope, q_pe, ckv_cache) -> None:
+    """The checks of check_decode that involve only q_nope, q_pe and ckv_cache (what explain_decode takes)."""
+    for n, t in (("q_nope", q_nope), ("q_pe", q_pe)):
+        _check_tensor(n, t, 4)
+    _check_tensor("ckv_cache", ckv_cache, 3)
+    _check_float("q_nope", q_nope)
+    for n, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache)):
+        _same(n, t, "q_nope", q_nope)
+    for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache)):
+        _check_last_stride(n, t)
+    if q_pe.shape[:3] != q_nope.shape[:3]:
+        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} must match q_nope {tuple(q_nope.shape)} in (B, Sq, H)")
+    if ckv_cache.shape[2] != q_nope.shape[3]:
+        raise ValueError(f"ckv_cache last dim {ckv_cache.shape[2]} must equal q_nope head dim {q_nope.shape[3]}")
+    if ckv_cache.shape[1] < 1:
+        raise ValueError("ckv_cache page_size (dim 1) must be >= 1")
 
 
 def _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, rank: int) -> None:
@@ -193,6 +279,11 @@ def check_mla_attention(q_nope, q_pe, k_nope, k_pe, v) -> None:
     _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 4)
 
 
+def check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, varlen: bool) -> None:
+    """What explain_mla checks: the tensor checks of mla_attention (or mla_attention_varlen's packed parts)."""
+    _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 3 if varlen else 4)
+
+
 def check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k) -> None:
     """Packed q_nope (Tq, Hq, Dn), q_pe (Tq, Hq, Dr), k_nope (Tk, Hkv, Dn), k_pe (Tk, 1 or Hkv, Dr),
@@ -203,36 +294,26 @@ def check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_s
 
 
 def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, *,
-                 check_values: bool = True) -> None:
-    """See mla_autograd.decode for shapes."""
-    for n, t in (("q_nope", q_nope), ("q_pe", q_pe)):
-        _check_tensor(n, t, 4)
-    for n, t in (("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        _check_tensor(n, t, 3)
+                 check_values: bool = DECODE_CHECK_VALUES, schedule=None) -> None:
+    """See mla_autograd.decode for shapes. Metadata first (the schedule's too, when one is given); then,
+    if check_values_enabled(..., requested=check_values), the values, in one small device-to-host copy."""
+    check_decode_explain(q_nope, q_pe, ckv_cache)
+    _check_tensor("kpe_cache", kpe_cache, 3)
     _check_tensor("block_table", block_table, 2)
     _check_tensor("cache_seqlens", cache_seqlens, 1)
-    _check_float("q_nope", q_nope)
-    for n, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        _same(n, t, "q_nope", q_nope)
-    for n, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        _check_last_stride(n, t)
+    _same("kpe_cache", kpe_cache, "q_nope", q_nope)
+    _check_last_stride("kpe_cache", kpe_cache)
     for n, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
         if t.dtype != torch.int32:
             raise TypeError(f"{n} must be int32, got {_name(t.dtype)}")
         if t.device != q_nope.device:
             raise ValueError(f"{n} is on {t.device} but q_nope is on {q_nope.device}")
-    B, Sq, H, Dc = q_nope.shape
-    if q_pe.shape[:3] != q_nope.shape[:3]:
-        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} must match q_nope {tuple(q_nope.shape)} in (B, Sq, H)")
+    B = q_nope.shape[0]
     if ckv_cache.shape[:2] != kpe_cache.shape[:2]:
         raise ValueError(f"ckv_cache {tuple(ckv_cache.shape)} and kpe_cache {tuple(kpe_cache.shape)} must "
                          f"agree in (num_pages, page_size)")
-    if ckv_cache.shape[2] != Dc:
-        raise ValueError(f"ckv_cache last dim {ckv_cache.shape[2]} must equal q_nope head dim {Dc}")
     if kpe_cache.shape[2] != q_pe.shape[3]:
         raise ValueError(f"kpe_cache last dim {kpe_cache.shape[2]} must equal q_pe head dim {q_pe.shape[3]}")
-    if ckv_cache.shape[1] < 1:
-        raise ValueError("ckv_cache page_size (dim 1) must be >= 1")
     if block_table.shape[0] != B:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch size {B}")
     if cache_seqlens.shape[0] != B:
@@ -241,24 +322,46 @@ def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens,
         raise ValueError("softmax_scale is required for decode (the absorbed head dim is not the "
                          "model's: pass e.g. 1/sqrt(qk_nope_head_dim + qk_rope_head_dim))")
     softmax_scale_or_default(softmax_scale, 1)
-    if not check_values or not check_values_enabled(q_nope, block_table):
-        return
-    lens = cache_seqlens.cpu().long()
-    page = ckv_cache.shape[1]
-    cap = block_table.shape[1] * page
-    bad = torch.nonzero((lens < 0) | (lens > cap) | ((lens > 0) & (lens < Sq)))
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} must be 0 (an idle slot) or between "
+    if schedule is not None:
+        check_decode_schedule(schedule, q_nope, cache_seqlens)
+    if check_values_enabled(q_nope, block_table, cache_seqlens, requested=check_values):
+        _check_decode_values(q_nope.shape[1], q_nope.shape[2], ckv_cache, block_table, cache_seqlens,
+                             None if schedule is None else schedule.seqlens_copy)
+
+
+def _check_decode_values(Sq: int, H: int, ckv_cache, block_table, cache_seqlens, seqlens_copy) -> None:
+    """On the device: [cache_seqlens[b] bad for each b] + [block_table[b, p] used and out of range, row-major]
+    (+ [cache_seqlens[b] != the schedule's copy for each b]), concatenated in the order errors are
+    reported in; one reduction finds the first failure and only its index crosses to the host."""
+    num_pages, page = ckv_cache.shape[:2]
+    B, max_pages = block_table.shape
+    cap = max_pages * page
+    lens = cache_seqlens
+    bad_len = (lens != 0) & ((lens < Sq) | (lens > cap))
+    # column p of block_table is in use for request b iff its first position p * page_size < cache_seqlens[b]
+    starts = torch.arange(0, cap, page, device=lens.device)
+    bad_page = (starts[None, :] < lens[:, None]) & ((block_table < 0) | (block_table >= num_pages))
+    parts = [bad_len, bad_page.flatten()]
+    if seqlens_copy is not None:
+        parts.append(lens != seqlens_copy)
+    first = _first_true(torch.cat(parts))
+    if first < B:
+        b = first
+        raise ValueError(f"cache_seqlens[{b}] = {lens[b].item()} must be 0 (an idle slot) or between "
                          f"the {Sq} new tokens and the block_table capacity {cap} "
-                         f"({block_table.shape[1]} pages x page_size {page})")
-    table = block_table.cpu().long()
-    used = torch.arange(block_table.shape[1])[None, :] < ((lens + page - 1) // page)[:, None]
-    out_of_range = used & ((table < 0) | (table >= ckv_cache.shape[0]))
-    if out_of_range.any():
-        b, p = (int(x) for x in torch.nonzero(out_of_range)[0])
-        raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page index in "
-                         f"[0, {ckv_cache.shape[0]}) (num_pages of ckv_cache)")
+                         f"({max_pages} pages x page_size {page})")
+    first -= B
+    if first < B * max_pages:
+        b, p = divmod(first, max_pages)
+        raise ValueError(f"block_table[{b}, {p}] = {block_table[b, p].item()} is not a page index in "
+                         f"[0, {num_pages}) (num_pages of ckv_cache)")
+    first -= B * max_pages
+    if seqlens_copy is not None and first < B:
+        b = first
+        raise ValueError(f"schedule is stale: cache_seqlens[{b}] is {lens[b].item()} but was "
+                         f"{seqlens_copy[b].item()} when the schedule was computed (cache_seqlens, an inference "
+                         f"tensor, has no version counter: it was modified in place since); "
+                         f"{_reschedule(Sq, H)} (once per decode step, after the lengths change)")
 
 
 def check_decode_schedule_args(cache_seqlens, seqlen_q, num_heads) -> None:
@@ -280,17 +383,19 @@ def seqlens_identity(cache_seqlens: torch.Tensor) -> tuple[int | None, int | Non
     return version, cache_seqlens.data_ptr()
 
 
+def _reschedule(Sq: int, H: int) -> str:
+    return f"call mla_autograd.decode_schedule(cache_seqlens, seqlen_q={Sq}, num_heads={H}) for this call"
+
+
 def check_decode_schedule(schedule, q_nope, cache_seqlens) -> None:
     """A DecodeSchedule passed to decode must be for this call's (B, Sq, H) and device, and for the
     cache_seqlens tensor of this call unchanged since. Metadata only; the staleness check is skipped under
     torch.compile and CUDA-graph capture (as the value checks are)."""
-    from .functional import DecodeSchedule
-
     if not isinstance(schedule, DecodeSchedule):
         raise TypeError(f"schedule must be a DecodeSchedule from mla_autograd.decode_schedule, got "
                         f"{type(schedule).__name__}")
     B, Sq, H = q_nope.shape[:3]
-    again = (f"call mla_autograd.decode_schedule(cache_seqlens, seqlen_q={Sq}, num_heads={H}) for this call")
+    again = _reschedule(Sq, H)
     if (schedule.batch, schedule.seqlen_q, schedule.num_heads) != (B, Sq, H):
         raise ValueError(f"schedule was computed for (batch, seqlen_q, num_heads) = ({schedule.batch}, "
                          f"{schedule.seqlen_q}, {schedule.num_heads}) but q_nope has (B, Sq, H) = ({B}, {Sq}, {H}): "

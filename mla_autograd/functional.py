@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from . import _ops, _validate as V
-from ._autograd import FusedAttentionFunction, distinct_inputs
+from ._autograd import FusedAttentionFunction, distinct_inputs, record_call_site
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
+from .schedule import DecodeSchedule
 
 __all__ = ["attention", "attention_varlen", "mla_attention", "mla_attention_varlen", "decode", "decode_schedule",
            "DecodeSchedule", "explain", "explain_mla", "explain_decode"]
@@ -45,7 +46,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_a
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v), None, None, q.shape[1], k.shape[1], scale,
-                                            bool(causal), bottom_right, bool(deterministic))
+                                            bool(causal), bottom_right, bool(deterministic), record_call_site(q, k, v))
     return (out, lse) if return_lse else out
 
 
@@ -64,13 +65,19 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
     Returns:
         out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32.
+
+    Value checks: cu_seqlens_*[0] == 0, non-decreasing, cu_seqlens_*[-1] == Tq / Tk, max_seqlen_* >= the
+    longest sequence. They are computed on q's device into one int64 and that one value is copied to the
+    host: 8 bytes, but on a GPU a synchronisation (the host waits for the work queued before the call).
+    On by default; MLA_AUTOGRAD_CHECK_VALUES=0 turns them off (the caller then guarantees these rules);
+    skipped while torch.compile traces or a CUDA graph is captured.
     """
     V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
                                             int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), bottom_right,
-                                            bool(deterministic))
+                                            bool(deterministic), record_call_site(q, k, v))
     return (out, lse) if return_lse else out
 
 
@@ -111,7 +118,8 @@ def _mla_dispatch(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
     q, k = _concat_boundary(q_nope, q_pe, k_nope, k_pe)
     # q and k are fresh tensors; v or one cu_seqlens for both sides may still alias (see distinct_inputs)
     return FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
-                                        max_seqlen_k, softmax_scale, causal, bottom_right, deterministic)
+                                        max_seqlen_k, softmax_scale, causal, bottom_right, deterministic,
+                                        record_call_site(q, k, v))
 
 
 def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,
@@ -178,33 +186,6 @@ def mla_attention_varlen(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Ten
     return (out, lse) if return_lse else out
 
 
-class DecodeSchedule:
-    """The split-KV schedule of one decode step, from `decode_schedule`; pass it to every `decode` call of
-    the step (all layers) as ``schedule=``.
-
-    Attributes:
-        tensor: int32 1-D tensor on `device` (the kernel's work items then per-request split counts;
-            empty where decode runs the reference path, which needs none).
-        batch, seqlen_q, num_heads: the (B, Sq, H) it was computed for.
-        device: the device of cache_seqlens.
-        seqlens_version, seqlens_ptr: cache_seqlens._version and data_ptr() when it was computed (None
-            where unreadable: under torch.compile; the version of an inference tensor), to detect a stale
-            schedule.
-    """
-
-    __slots__ = ("tensor", "batch", "seqlen_q", "num_heads", "device", "seqlens_version", "seqlens_ptr")
-
-    def __init__(self, tensor: Tensor, batch: int, seqlen_q: int, num_heads: int, device: torch.device,
-                 seqlens_version: int | None, seqlens_ptr: int | None):
-        self.tensor = tensor
-        self.batch, self.seqlen_q, self.num_heads, self.device = batch, seqlen_q, num_heads, device
-        self.seqlens_version, self.seqlens_ptr = seqlens_version, seqlens_ptr
-
-    def __repr__(self) -> str:
-        return (f"DecodeSchedule(batch={self.batch}, seqlen_q={self.seqlen_q}, num_heads={self.num_heads}, "
-                f"device={self.device}, numel={self.tensor.numel()})")
-
-
 def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> DecodeSchedule:
     """Plan the split-KV work of `decode` once per decode step (as FlashMLA's get_mla_metadata).
 
@@ -222,25 +203,33 @@ def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> 
         num_heads: H, query heads of the decode calls (q_nope.shape[2]).
 
     Returns:
-        A DecodeSchedule for calls with q_nope of shape (B, seqlen_q, num_heads, Dc) on this device.
+        A DecodeSchedule for calls with q_nope of shape (B, seqlen_q, num_heads, Dc) on this device; its
+        tensors are on cache_seqlens' device.
 
     Recompute it whenever the lengths change, i.e. every decode step (they grow by Sq each step): a
-    schedule only describes the lengths it was computed from. `decode` raises if cache_seqlens was
-    modified in place since (its version counter changed) or is another tensor; neither is checked under
-    torch.compile or CUDA-graph capture, nor the version of an inference tensor (created under
-    torch.inference_mode, which has none). In a captured decode step, compute the schedule inside the
-    graph (it is then recomputed at every replay) or recompute it before every replay.
+    schedule only describes the lengths it was computed from. `decode` raises if it is given another
+    lengths tensor (data pointer differs) or if cache_seqlens was modified in place since (its version
+    counter changed). An inference tensor (created under torch.inference_mode) has no version counter:
+    for one, the schedule keeps a device copy of the lengths (B int32, copied on the device, no sync) and
+    an in-place change is detected only by decode calls that check values (check_values=True, the default,
+    or MLA_AUTOGRAD_CHECK_VALUES=1), in their one host copy; decode(check_values=False) cannot see it.
+    None of this is checked under torch.compile or CUDA-graph capture. In a captured decode step, compute
+    the schedule inside the graph (it is then recomputed at every replay) or recompute it before every
+    replay.
     """
     V.check_decode_schedule_args(cache_seqlens, seqlen_q, num_heads)
     version, ptr = V.seqlens_identity(cache_seqlens)
     tensor = torch.ops.mla_autograd.mla_decode_schedule(cache_seqlens, int(seqlen_q), int(num_heads))
+    copy = None
+    if ptr is not None and version is None and not V.tracing_or_capturing(cache_seqlens):
+        copy = cache_seqlens.clone()  # inference tensor: no version counter to detect in-place edits
     return DecodeSchedule(tensor, cache_seqlens.shape[0], int(seqlen_q), int(num_heads), cache_seqlens.device,
-                          version, ptr)
+                          version, ptr, copy)
 
 
 def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
            cache_seqlens: Tensor, *, softmax_scale: float, causal: bool = True, return_lse: bool = False,
-           check_values: bool = True, schedule: DecodeSchedule | None = None):
+           check_values: bool = V.DECODE_CHECK_VALUES, schedule: DecodeSchedule | None = None):
     """Weight-absorbed MLA decode over a paged latent cache. Inference only.
 
     Every query head attends to the shared latent K = [ckv, kpe] (512 + 64) and V = ckv (512).
@@ -256,22 +245,27 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
         softmax_scale: required (e.g. 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN mscale^2).
         causal: new token i sees cache positions <= cache_seqlens - Sq + i; else all positions.
         return_lse: also return lse (B, H, Sq) float32.
-        check_values: check cache_seqlens and the used block_table entries against the cache (they are
-            read on the host: a device sync per call). Pass False when the caller keeps them valid by
-            construction, as ``nn.MLACache`` does, to keep decode steps free of host syncs. The checks
-            are also skipped under torch.compile and CUDA-graph capture.
+        check_values: check that every cache_seqlens[b] is 0 or in [Sq, max_pages * page_size] and that
+            the block_table entries in use (column p of row b while p * page_size < cache_seqlens[b]) are
+            page indices in [0, num_pages). Computed on the device into one int64, of which only that one
+            value is copied to the host: 8 bytes, but on a GPU a synchronisation per call (the host waits
+            for the work queued before it), which costs a decode step far more than the kernel itself.
+            Default True. Pass False when the caller keeps them valid by construction, as ``nn.MLACache``
+            does, to keep decode steps free of host syncs. MLA_AUTOGRAD_CHECK_VALUES overrides this
+            argument: ``0`` never checks, ``1`` checks every call, check_values=False ones included. The
+            checks are always skipped under torch.compile and CUDA-graph capture.
         schedule: a DecodeSchedule from ``decode_schedule(cache_seqlens, seqlen_q=Sq, num_heads=H)``
             for this very cache_seqlens tensor, unchanged since (recompute it every decode step). Skips
             the kernel's own scheduling launch; results are bit-identical to ``schedule=None``. The
-            reference path ignores it.
+            reference path ignores it. A schedule for another shape or device, for another lengths tensor,
+            or for a cache_seqlens modified in place since raises (for an inference-mode cache_seqlens the
+            last is seen only while values are checked; see decode_schedule).
 
     Returns:
-        out (B, Sq, H, Dc) in q_nope's dtype [, lse].
+        out (B, Sq, H, Dc) in q_nope's dtype [, lse], on q_nope's device.
     """
     V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
-                   check_values=check_values)
-    if schedule is not None:
-        V.check_decode_schedule(schedule, q_nope, cache_seqlens)
+                   check_values=check_values, schedule=schedule)
     V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)
     op = _ops._mla_decode if _ops.eager_direct(q_nope, q_pe, ckv_cache, kpe_cache) else torch.ops.mla_autograd.mla_decode
     out, lse = op(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, float(softmax_scale), bool(causal),
@@ -305,8 +299,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_ali
     Takes the arguments of the call it explains (cu_seqlens_* and max_seqlen_q for a varlen call; or
     just ``varlen=True``, and then the answer assumes the two cu_seqlens are different tensors).
     ``explain(q, k, v).forward.backend`` is e.g. "sm90"; ``print(explain(...))`` lists every row of the
-    dispatch table passed over with its reason. Reads only metadata.
+    dispatch table passed over with its reason. Reads only metadata. q, k, v are checked as the call
+    checks them (dense (B, S, H, D), or packed (T, H, D) for a varlen call): a call that would raise
+    raises the same error here.
     """
+    V.check_explain(q, k, v, bool(varlen) or cu_seqlens_q is not None)
     bottom_right = V.causal_bottom_right(causal_align)
     kw = dict(causal=bool(causal), bottom_right=bottom_right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
@@ -315,7 +312,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_ali
 
 
 def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanation:
-    """Say which backend `decode` would use for these tensors, and why."""
+    """Say which backend `decode` would use for these tensors, and why. Raises the error `decode` would
+    raise for these three tensors (their shapes, dtypes, devices, strides)."""
+    V.check_decode_explain(q_nope, q_pe, ckv_cache)
     return Explanation(explain_call(decode_call(q_nope, q_pe, ckv_cache)))
 
 
@@ -340,7 +339,9 @@ def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: T
     """Say how `mla_attention` / `mla_attention_varlen` would run for these tensors: the path of the parts
     (``.path``, "concat" today) and the backends of the forward and backward (``.forward.backend``,
     ``.backward.backend``) for the concatenated head dims (Dn + Dr, Dv). Keywords as in `explain`. Reads only
-    metadata."""
+    metadata; the five tensors are checked as the call checks them, so a call that would raise raises the
+    same error here."""
+    V.check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, bool(varlen) or cu_seqlens_q is not None)
     dims = (q_nope.shape[-1] + q_pe.shape[-1], v.shape[-1])
     kw = dict(causal=bool(causal), bottom_right=V.causal_bottom_right(causal_align), cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)

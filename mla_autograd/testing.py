@@ -80,17 +80,22 @@ def random_paged_cache(cache_seqlens, *, page_size: int, dim_ckv: int = 512, dim
     (B, max_pages)). With fused=True both caches are views of one (P, page_size, dim_ckv + dim_kpe)
     buffer, as serving engines store them. Unused pages, the unused tail of each last page and the
     unused block-table entries (which point at a NaN page) are poisoned, so a kernel that reads past
-    a request's length produces NaN.
+    a request's length produces NaN. device: where the caches and the table are made (default: that of
+    cache_seqlens when it is a tensor, else the CPU; never the default device). The random draws come
+    from `generator` (a CPU generator) whatever the device.
     """
     lens = [int(x) for x in cache_seqlens]
     pages_per = [max(1, -(-L // page_size)) for L in lens]
     max_pages = max(pages_per) if pages_per else 1
     total = sum(pages_per) + extra_pages
     width = dim_ckv + dim_kpe
+    if device is None:
+        device = cache_seqlens.device if isinstance(cache_seqlens, torch.Tensor) else torch.device("cpu")
     buf = torch.full((total, page_size, width), float("nan"), dtype=dtype, device=device)
-    perm = torch.randperm(total, generator=generator).tolist()
+    # random draws and the table are made on the CPU (whatever the default device), then moved
+    perm = torch.randperm(total, generator=generator, device="cpu").tolist()
     nan_page = perm[-1]
-    table = torch.full((len(lens), max_pages), nan_page, dtype=torch.int32)
+    table = torch.full((len(lens), max_pages), nan_page, dtype=torch.int32, device="cpu")
     nxt = 0
     for b, L in enumerate(lens):
         for p in range(pages_per[b]):
@@ -99,7 +104,8 @@ def random_paged_cache(cache_seqlens, *, page_size: int, dim_ckv: int = 512, dim
             table[b, p] = pg
             used = min(page_size, L - p * page_size)
             if used > 0:
-                buf[pg, :used] = torch.randn(used, width, generator=generator).to(dtype=dtype, device=device)
+                buf[pg, :used] = torch.randn(used, width, generator=generator, device="cpu").to(dtype=dtype,
+                                                                                                device=buf.device)
     if fused:
         ckv, kpe = buf[..., :dim_ckv], buf[..., dim_ckv:]
     else:

@@ -71,30 +71,42 @@ def test_decode_is_inference_only():
         M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.3)
 
 
-def test_decode_check_values_false_reads_nothing_on_the_host(monkeypatch):
-    """check_values=False (what nn.MLACache's decode steps use) must not copy cache_seqlens or
-    block_table to the host: on a GPU that copy is a device sync per generated token."""
+def test_decode_value_checks_read_one_value_on_the_host(host_reads, monkeypatch):
+    """The value checks run on the inputs' device and copy one int64 to the host; check_values=False (what
+    nn.MLACache's decode steps use) reads nothing there: on a GPU each host read is a device sync."""
     lens = torch.tensor([3, 9], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=32, dim_kpe=8, dtype=torch.float64)
     q_nope, q_pe = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
     from mla_autograd import _validate
 
-    host_reads = []
-    real_cpu = torch.Tensor.cpu
-
-    def spy(t, *a, **k):
-        host_reads.append(tuple(t.shape))
-        return real_cpu(t, *a, **k)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", spy)
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    host_reads.clear()  # what making the inputs read
     _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
     assert host_reads == []
-    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checks read both
-    assert (2,) in host_reads and tuple(table.shape) in host_reads
-    monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checked, one 0-d read
+    assert host_reads == [("item", ())]
+    host_reads.clear()
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")  # forces the checks on, check_values=False too
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
+    assert host_reads == [("item", ())]
+    host_reads.clear()
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")  # turns them off, check_values=True too
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=True)
+    assert host_reads == []
+    monkeypatch.undo()
     out = M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2, check_values=False)
     exp_out, _ = _expected(q_nope, q_pe, ckv, kpe, table, lens, 0.2, True)
     torch.testing.assert_close(out, exp_out.to(out.dtype))
+
+
+def test_decode_env_forces_checks_on_check_values_false(monkeypatch):
+    lens = torch.tensor([5, 99], dtype=torch.int32)  # 99 > capacity
+    ckv, kpe, table = random_paged_cache(torch.tensor([5, 3]), page_size=4, dim_ckv=16, dim_kpe=8,
+                                         dtype=torch.float32)
+    args = (torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8), ckv, kpe, table, lens)
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 99 must be 0"):
+        M.decode(*args, softmax_scale=0.1, check_values=False)
 
 
 # ---- decode_schedule: plan once per decode step, pass to every layer's decode ----
@@ -163,6 +175,43 @@ def test_decode_schedule_inference_tensor():
         assert s.seqlens_version is None and s.seqlens_ptr == lens_i.data_ptr()
         out = M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
     assert torch.equal(out, M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.2))
+
+
+def test_decode_schedule_inference_tensor_modified_in_place():
+    """No version counter: the schedule's device copy of the lengths is compared while decode checks values
+    (in the same single host copy); with check_values=False the edit cannot be seen (documented)."""
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    with torch.inference_mode():
+        lens_i = lens.clone()
+        s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
+        assert s.seqlens_copy is not None and torch.equal(s.seqlens_copy, lens_i)
+        assert s.seqlens_copy.device == lens_i.device and s.seqlens_copy.data_ptr() != lens_i.data_ptr()
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+        lens_i[1] -= 3  # the next step's lengths written into the same inference tensor
+        with pytest.raises(ValueError, match=r"schedule is stale: cache_seqlens\[1\] is 14 but was 17 when the "
+                                             r"schedule was computed .*decode_schedule\(cache_seqlens, seqlen_q=1, "
+                                             r"num_heads=4\)"):
+            M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s, check_values=False)
+        s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
+    # a normal tensor keeps no copy: its version counter tells
+    assert M.decode_schedule(lens, seqlen_q=1, num_heads=4).seqlens_copy is None
+
+
+def test_decode_schedule_metadata_errors_come_before_value_checks(host_reads):
+    q_nope, q_pe, ckv, kpe, table, lens = _sched_case()
+    s = M.decode_schedule(lens, seqlen_q=1, num_heads=4)
+    bad = torch.tensor([5, 99, 0], dtype=torch.int32)  # also out of range, but another tensor: said first
+    host_reads.clear()
+    with torch.no_grad(), pytest.raises(ValueError, match="schedule is stale: it was computed from a different"):
+        M.decode(q_nope, q_pe, ckv, kpe, table, bad, softmax_scale=0.2, schedule=s)
+    assert host_reads == []
+
+
+def test_schedule_module():
+    from mla_autograd import functional, schedule
+    assert M.DecodeSchedule is schedule.DecodeSchedule is functional.DecodeSchedule
 
 
 @pytest.mark.parametrize("args,exc,match", [

@@ -271,3 +271,117 @@ def test_decode_smem_formula_matches_the_config():
     for const in ("kDimQK = kDimCkv + kDimKpe", "kBlockN = 32", "kStaticSmemBytes = 128", "kMinStages = 2",
                   "kPageRing = 2 * kMaxStages", "kMaxStages = 5"):
         assert const in text, f"decode_min_smem_bytes mirrors {const!r}: update it with the config"
+
+
+# ---- the reference-path warning: once per reason, at the caller's line ----
+
+def _fallbacks(record):
+    return [w for w in record if "reference path" in str(w.message)]
+
+
+def _lineno_of(fn, text):
+    import inspect
+    lines, start = inspect.getsourcelines(fn)
+    (i,) = [i for i, line in enumerate(lines) if line.rstrip().endswith(text)]
+    return start + i
+
+
+def test_warning_once_per_reason_at_the_callers_line(monkeypatch):
+    """A CPU script using every op, several dtypes and dims, forward and backward, is told once, at its
+    first call (not in mla_autograd, not in torch's autograd)."""
+    import warnings
+    from mla_autograd.testing import random_paged_cache
+
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    monkeypatch.delenv("MLA_AUTOGRAD_BACKEND", raising=False)
+    q = torch.randn(1, 3, 2, 8, requires_grad=True)
+    lens = torch.tensor([3], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=8, dim_kpe=4, dtype=torch.float32)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = M.attention(q, q, q, causal=True)  # the first call
+        out.sum().backward()
+        M.attention(q.double(), q.double(), q.double())
+        M.attention(q[..., :4], q[..., :4], q[..., :4]).sum().backward()
+        M.attention_varlen(q[0], q[0], q[0], cu, cu, 3, 3).sum().backward()
+        with torch.no_grad():
+            M.decode(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 4), ckv, kpe, table, lens, softmax_scale=0.3)
+    (w,) = _fallbacks(record)
+    assert w.category is UserWarning and w.filename == __file__
+    assert w.lineno == _lineno_of(test_warning_once_per_reason_at_the_callers_line, "# the first call")
+    assert "attn_fwd on cpu" in str(w.message) and "sm100, sm90: tensors are on cpu, kernels need CUDA" in str(w.message)
+
+
+def test_warning_through_the_nn_layer_points_at_the_users_line(monkeypatch):
+    import warnings
+    from mla_autograd.nn import MultiHeadLatentAttention
+
+    m = MultiHeadLatentAttention(16, 2, None, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        m(torch.randn(1, 5, 16))  # the layer call
+    (w,) = _fallbacks(record)
+    assert w.filename == __file__
+    assert w.lineno == _lineno_of(test_warning_through_the_nn_layer_points_at_the_users_line, "# the layer call")
+
+
+def test_backward_warning_points_at_the_backward_call(monkeypatch):
+    """A reason first met in the backward: with the backward run from this thread (CPU), the warning points at
+    the line that started it and says it is the backward."""
+    import warnings
+
+    q = torch.randn(1, 3, 2, 8, requires_grad=True)
+    out = M.attention(q, q, q)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out.sum().backward()  # the backward call
+    (w,) = _fallbacks(record)
+    assert w.filename == __file__
+    assert w.lineno == _lineno_of(test_backward_warning_points_at_the_backward_call, "# the backward call")
+    assert "attn_bwd on cpu" in str(w.message) and "(in the backward of an mla_autograd attention call)" in str(w.message)
+
+
+def test_backward_warning_without_a_python_caller_points_at_the_forward(monkeypatch):
+    """An autograd engine device thread runs the backward with no frame outside torch and mla_autograd: the
+    warning then goes to the forward's call site, which the autograd Function recorded. Simulated here by
+    hiding every frame during the backward."""
+    import warnings
+
+    q, cu = torch.randn(1, 3, 2, 8, requires_grad=True), torch.tensor([0, 3], dtype=torch.int32)
+    out = M.attention_varlen(q[0], q[0], q[0], cu, cu, 3, 3)  # the forward call
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    monkeypatch.setattr(_dispatch, "_internal", lambda filename: True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out.sum().backward()
+    (w,) = _fallbacks(record)
+    assert w.filename == __file__
+    assert w.lineno == _lineno_of(test_backward_warning_without_a_python_caller_points_at_the_forward,
+                                  "# the forward call")
+    assert "(in the backward of the mla_autograd varlen attention call on this line)" in str(w.message)
+    assert getattr(_dispatch._backward, "site", None) is None  # cleared after the backward
+
+    # no recorded site either (the forward, too, saw no caller): the outermost frame, said plainly
+    out = M.attention(q, q, q)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out.sum().backward()
+    (w,) = _fallbacks(record)
+    assert "run by the autograd engine without a Python caller" in str(w.message)
+
+
+def test_forward_records_no_call_site_without_grad(monkeypatch):
+    calls = []
+    real = _dispatch.call_site
+    monkeypatch.setattr(_dispatch, "call_site", lambda *a: calls.append(1) or real(*a))
+    q = torch.randn(1, 3, 2, 8)
+    M.attention(q, q, q)
+    with torch.no_grad():
+        M.attention(q.requires_grad_(), q, q)
+    assert calls == []
+    M.attention(q, q, q)
+    assert calls == [1]

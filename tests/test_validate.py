@@ -136,3 +136,149 @@ def test_errors_write_nothing():
         M.decode(**args, softmax_scale=0.1)
     for k in ("ckv_cache", "kpe_cache", "block_table", "q_nope"):
         assert torch.equal(torch.nan_to_num(args[k]), torch.nan_to_num(before[k]))
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares whatever is raised
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda q, k, v: (q.int(), k, v),
+    lambda q, k, v: (q[:, :, :3], k, v),   # 3 query heads over 2
+    lambda q, k, v: (torch.randn(2, 5, 4, 8), torch.randn(2, 6, 3, 8), torch.randn(2, 6, 3, 8)),  # 4 over 3
+    lambda q, k, v: (q, k.double(), v),
+    lambda q, k, v: (q, k[..., :4], v),
+    lambda q, k, v: (q, k[:1], v[:1]),
+    lambda q, k, v: (q[0], k, v),
+])
+def test_explain_raises_what_attention_raises(mutate):
+    q, k, v = mutate(*qkv())
+    want = _error_of(lambda: M.attention(q, k, v))
+    assert want is not None
+    assert _error_of(lambda: M.explain(q, k, v)) == want
+    assert _error_of(lambda: M.explain(q, k, v, causal=True, deterministic=True)) == want
+
+
+def test_explain_varlen_raises_what_attention_varlen_raises():
+    cq = cu([3, 4])
+    for q, k, v in [(torch.randn(7, 4, 8).int(), torch.randn(7, 2, 8), torch.randn(7, 2, 8)),
+                    (torch.randn(7, 4, 8), torch.randn(7, 3, 8), torch.randn(7, 3, 8)),
+                    (torch.randn(1, 7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8))]:
+        want = _error_of(lambda: M.attention_varlen(q, k, v, cq, cq, 4, 4))
+        assert want is not None and _error_of(lambda: M.explain(q, k, v, varlen=True)) == want
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    assert M.explain(q, k, v, varlen=True).forward.backend == "reference"
+
+
+@pytest.mark.parametrize("change", [
+    dict(q_nope=torch.randn(2, 1, 4, 16).int()),
+    dict(q_pe=torch.randn(2, 1, 4, 8).double()),
+    dict(q_pe=torch.randn(2, 1, 3, 8)),
+    dict(q_nope=torch.randn(2, 4, 16)),
+    dict(ckv_cache=torch.randn(6, 4, 12)),
+    dict(ckv_cache=torch.randn(6, 0, 16)),
+])
+def test_explain_decode_raises_what_decode_raises(change):
+    args = _decode_args()
+    args.update(change)
+    with torch.no_grad():
+        want = _error_of(lambda: M.decode(**args, softmax_scale=0.1))
+    assert want is not None
+    assert _error_of(lambda: M.explain_decode(args["q_nope"], args["q_pe"], args["ckv_cache"])) == want
+
+
+def test_varlen_value_checks_read_one_value_on_the_host(host_reads, monkeypatch):
+    """Computed on the inputs' device; one int64 crosses to the host (a sync on a GPU), only more when a
+    check fails and the error needs the bad entry's value."""
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cq, ck = cu([3, 4]), cu([4, 5])
+    from mla_autograd import _validate
+
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    host_reads.clear()
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
+    assert host_reads == [("item", ())]
+    host_reads.clear()
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
+    assert host_reads == []
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
+    assert host_reads == [("item", ())]
+
+
+@pytest.mark.parametrize("cq,ck,mx,match", [
+    ([0, 3, 7], [0, 4, 9], (4, 5), None),
+    ([0, 3, 2, 7], [0, 4, 9, 9], (4, 5), r"cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\] = 2 < cu_seqlens_q\[1\] = 3"),
+    ([0, 3, 7], [0, 9, 4], (4, 9), r"cu_seqlens_k must be non-decreasing: cu_seqlens_k\[2\] = 4 < cu_seqlens_k\[1\] = 9"),
+    ([0, 3, 7], [2, 4, 9], (4, 5), r"cu_seqlens_k\[0\] must be 0, got 2"),
+    ([0, 3, 7], [0, 4, 9], (4, 4), r"max_seqlen_k = 4 is smaller than the longest sequence \(5\)"),
+    ([0, 3, 6], [0, 4, 9], (4, 5), r"cu_seqlens_q\[-1\] = 6 must equal the number of packed tokens \(7\)"),
+    # several faults: cu_seqlens_q is reported before cu_seqlens_k, [0] before monotonicity before [-1]
+    ([1, 0, 7], [5, 4, 9], (1, 1), r"cu_seqlens_q\[0\] must be 0, got 1"),
+    ([0, 5, 3, 6], [7, 4, 9, 9], (1, 1), r"cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\] = 3"),
+    ([0, 3, 7], [0, -2147483648, 9], (4, 5), r"cu_seqlens_k\[1\] = -2147483648 < cu_seqlens_k\[0\] = 0"),
+])
+def test_varlen_value_errors_name_the_entry(cq, ck, mx, match):
+    q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cq, ck = torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32)
+    if match is None:
+        M.attention_varlen(q, k, v, cq, ck, *mx)
+        return
+    with pytest.raises(ValueError, match=match):
+        M.attention_varlen(q, k, v, cq, ck, *mx)
+
+
+@pytest.mark.parametrize("lens,table,match", [
+    ((5, 3), None, None),
+    ((0, 3), None, None),                                        # idle slot
+    ((5, 12), None, r"cache_seqlens\[1\] = 12 must be 0 .* capacity 8 \(2 pages x page_size 4\)"),
+    ((5, 3), [[0, 1], [6, 9]], r"block_table\[1, 0\] = 6 is not a page index in \[0, 6\)"),  # num_pages
+    ((5, 3), [[0, -3], [2, 9]], r"block_table\[0, 1\] = -3 is not a page index"),
+    ((4, 3), [[0, -3], [2, 9]], None),                           # unused entries are not read
+    ((0, 0), [[99, 99], [99, 99]], None),
+    ((-1, 3), [[99, 99], [99, 99]], r"cache_seqlens\[0\] = -1"),  # lengths reported before the table
+])
+def test_decode_value_errors_name_the_entry(lens, table, match):
+    args = _decode_args(lens=(5, 3))
+    args["cache_seqlens"] = torch.tensor(lens, dtype=torch.int32)
+    assert args["block_table"].shape == (2, 2) and args["ckv_cache"].shape[0] == 6
+    if table is not None:
+        args["block_table"] = torch.tensor(table, dtype=torch.int32)
+    with torch.no_grad():
+        if match is None:
+            M.decode(**args, softmax_scale=0.1)
+            return
+        with pytest.raises(ValueError, match=match):
+            M.decode(**args, softmax_scale=0.1)
+
+
+def _mla_parts():
+    return [torch.randn(2, 5, 4, 8), torch.randn(2, 5, 4, 4), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 1, 4),
+            torch.randn(2, 6, 2, 6)]
+
+
+@pytest.mark.parametrize("i,fn", [
+    (0, lambda t: t.int()),
+    (2, lambda t: torch.randn(2, 6, 3, 8)),          # 4 query heads over 3 kv heads
+    (3, lambda t: torch.randn(2, 6, 2, 5)),
+    (1, lambda t: t.double()),
+    (4, lambda t: t[:, :3]),
+])
+def test_explain_mla_raises_what_mla_attention_raises(i, fn):
+    parts = _mla_parts()
+    if i == 2:
+        parts[4] = torch.randn(2, 6, 3, 6)
+    parts[i] = fn(parts[i])
+    want = _error_of(lambda: M.mla_attention(*parts))
+    assert want is not None
+    assert _error_of(lambda: M.explain_mla(*parts)) == want
+    packed = [p[0] for p in parts]
+    cq = cu([packed[0].shape[0]])
+    ck = cu([packed[2].shape[0]])
+    want = _error_of(lambda: M.mla_attention_varlen(*packed, cq, ck, 5, 6))
+    assert want is not None and _error_of(lambda: M.explain_mla(*packed, varlen=True)) == want

@@ -13,6 +13,7 @@ synchronises with the device. A model keeps one cache per layer.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -58,7 +59,7 @@ class MLACache:
         self.batch = int(batch)
         self.max_pages_per_seq = int(max_pages_per_seq or num_pages)
         self.buffer = torch.zeros(num_pages, page_size, width, device=device, dtype=dtype)
-        self._table_host = torch.zeros(batch, self.max_pages_per_seq, dtype=torch.int32)
+        self._table_host = torch.zeros(batch, self.max_pages_per_seq, dtype=torch.int32, device="cpu")
         self.block_table = self._table_host.to(device)
         self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.reset()
@@ -80,8 +81,8 @@ class MLACache:
             self._pages[b] = []
             self._lengths[b] = 0
             self._table_host[b].zero_()
-        idx = torch.as_tensor(list(batch_indices), dtype=torch.long)
-        self.block_table[idx.to(self.block_table.device)] = 0
+        idx = torch.as_tensor(list(batch_indices), dtype=torch.long, device=self.block_table.device)
+        self.block_table[idx] = 0
         self.seqlens[idx.to(self.seqlens.device)] = 0
 
     # ------------------------------------------------------------------ views
@@ -138,7 +139,7 @@ class MLACache:
                 changed.append(b)
         if changed:
             rows = sorted(set(changed))
-            idx = torch.as_tensor(rows, dtype=torch.long)
+            idx = torch.as_tensor(rows, dtype=torch.long, device="cpu")  # indexes the host mirror
             self.block_table[idx.to(self.block_table.device)] = self._table_host[idx].to(self.block_table.device)
 
     def append(self, ckv: torch.Tensor, kpe: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
@@ -194,7 +195,7 @@ class MLACache:
         if len(set(counts)) == 1:
             self.seqlens.add_(counts[0])
         else:
-            self.seqlens.add_(torch.as_tensor(counts, dtype=torch.int32).to(self.seqlens.device))
+            self.seqlens.add_(torch.as_tensor(counts, dtype=torch.int32, device=self.seqlens.device))
         return pos
 
     def positions(self, num_new: int) -> torch.Tensor:
@@ -210,19 +211,19 @@ class MLACache:
         idx = []
         for b, L in enumerate(self._lengths):
             if L:
-                pos = torch.arange(L)
+                pos = torch.arange(L, device="cpu")  # indexes the host mirror of the table
                 idx.append(self._table_host[b].long()[pos // self.page_size] * self.page_size + pos % self.page_size)
-        flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+        flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device="cpu")
         flat = flat.to(self.buffer.device)
         rows = self.buffer.view(-1, self.buffer.shape[-1])[flat]
-        cu = torch.tensor([0] + torch.tensor(self._lengths).cumsum(0).tolist(), dtype=torch.int32)
+        cu = torch.tensor([0] + list(itertools.accumulate(self._lengths)), dtype=torch.int32, device="cpu")
         return (rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:], cu.to(self.buffer.device),
                 max(self._lengths) if self._lengths else 0)
 
     def gather(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's cached (ckv (L, r), kpe (L, d_rope)) in order (for tests and debugging)."""
         L = self._lengths[b]
-        pos = torch.arange(L)
+        pos = torch.arange(L, device="cpu")
         pages = self._table_host[b].long()[pos // self.page_size].to(self.buffer.device)
         rows = (pos % self.page_size).to(self.buffer.device)
         return self.ckv[pages, rows], self.kpe[pages, rows]

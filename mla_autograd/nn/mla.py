@@ -25,6 +25,8 @@ Two execution paths:
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Mapping
 
 import torch
@@ -34,6 +36,12 @@ from .cache import MLACache
 from .rope import RotaryEmbedding, mla_softmax_scale
 
 __all__ = ["MultiHeadLatentAttention", "RMSNorm"]
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"MultiHeadLatentAttention: {name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _api():
@@ -78,6 +86,10 @@ class MultiHeadLatentAttention(nn.Module):
         attention_bias: bias on q_a_proj, kv_a_proj_with_mqa and o_proj (as in transformers).
         rope_interleave: DeepSeek checkpoints rotate interleaved pairs (transformers' default True).
         norm_eps: epsilon of q_a_layernorm / kv_a_layernorm (1e-6 as in transformers).
+
+    Every size (hidden_size, num_heads, q_lora_rank when given, kv_lora_rank, the three head dims,
+    max_position_embeddings) must be a positive int, qk_rope_head_dim even, rope_theta a positive
+    finite number: anything else raises ValueError naming the argument.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None = None,
@@ -86,6 +98,19 @@ class MultiHeadLatentAttention(nn.Module):
                  rope_scaling: Mapping[str, Any] | None = None, attention_bias: bool = False, *,
                  rope_interleave: bool = True, norm_eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
+                            ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim),
+                            ("v_head_dim", v_head_dim), ("max_position_embeddings", max_position_embeddings)):
+            _positive(name, value)
+        if q_lora_rank is not None:
+            _positive("q_lora_rank", q_lora_rank)
+        if qk_rope_head_dim % 2:
+            raise ValueError(f"MultiHeadLatentAttention: qk_rope_head_dim must be even (rotary pairs), got "
+                             f"{qk_rope_head_dim}")
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, numbers.Real) or not (
+                math.isfinite(rope_theta) and rope_theta > 0):
+            raise ValueError(f"MultiHeadLatentAttention: rope_theta must be a positive finite number, got "
+                             f"{rope_theta!r}")
         fk = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -251,6 +276,7 @@ class MultiHeadLatentAttention(nn.Module):
                              f"got {tuple(hidden_states.shape)}")
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size {self.hidden_size}")
+        self._check_input(hidden_states, cache)
         if cache is not None:
             return self._forward_cached(hidden_states, position_ids, cu_seqlens, max_seqlen, cache)
 
@@ -267,6 +293,21 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             o = self._attend(q_nope, q_pe, c, k_pe, deterministic=deterministic)
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
+
+    def _check_input(self, h: torch.Tensor, cache: MLACache | None) -> None:
+        """hidden_states on the weights' device and, outside autocast, in their dtype (a raw matmul error
+        otherwise); the cache on the same device."""
+        w = self.kv_a_proj_with_mqa.weight
+        if h.device != w.device:
+            raise ValueError(f"hidden_states is on {h.device} but the layer's weights are on {w.device}: "
+                             f"move one to the other (layer.to(device) or hidden_states.to(device))")
+        if h.dtype != w.dtype and not torch.is_autocast_enabled(h.device.type):
+            a, b = str(h.dtype).replace("torch.", ""), str(w.dtype).replace("torch.", "")
+            raise TypeError(f"hidden_states has dtype {a} but the layer's weights are {b}: pass "
+                            f"hidden_states.to(torch.{b}), convert the layer with layer.to(torch.{a}), or run "
+                            f"under torch.autocast")
+        if cache is not None and cache.buffer is not None and cache.device != h.device:
+            raise ValueError(f"cache is on {cache.device} but hidden_states is on {h.device}")
 
     def _project(self, h, position_ids):
         """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h."""

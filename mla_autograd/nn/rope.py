@@ -53,7 +53,8 @@ def rope_parameters(dim: int, rope_theta: float, max_position_embeddings: int,
     if dim % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {dim}")
     kind = _rope_type(rope_scaling)
-    pos_freqs = rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    # on the CPU whatever the default device (RotaryEmbedding copies them to each device on first use)
+    pos_freqs = rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
     if kind != "yarn":
@@ -84,7 +85,7 @@ def rope_parameters(dim: int, rope_theta: float, max_position_embeddings: int,
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation = 1.0 - ramp  # 1: keep the original frequency (high-frequency dims)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)

@@ -200,3 +200,59 @@ def test_input_validation():
         m(torch.randn(3, 48, dtype=torch.float64), cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="B, S, hidden"):
         m(torch.randn(3, 48, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_heads=0), "num_heads"),
+    (dict(num_heads=-2), "num_heads"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(q_lora_rank=0), "q_lora_rank"),
+    (dict(kv_lora_rank=-1), "kv_lora_rank"),
+    (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
+    (dict(qk_rope_head_dim=0), "qk_rope_head_dim"),
+    (dict(v_head_dim=0), "v_head_dim"),
+    (dict(max_position_embeddings=0), "max_position_embeddings"),
+    (dict(num_heads=2.0), "num_heads"),
+    (dict(num_heads=True), "num_heads"),
+])
+def test_constructor_rejects_bad_sizes(kw, name):
+    args = dict(hidden_size=48, num_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=12)
+    args.update(kw)
+    with pytest.raises(ValueError, match=rf"MultiHeadLatentAttention: {name} must be a positive int, got "
+                                         rf"{kw[name]!r}"):
+        MultiHeadLatentAttention(**args)
+
+
+def test_constructor_rejects_odd_rope_dim_and_bad_theta():
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even"):
+        MultiHeadLatentAttention(48, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=7, v_head_dim=12)
+    for theta in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="rope_theta must be a positive finite number"):
+            MultiHeadLatentAttention(48, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                     rope_theta=theta)
+
+
+def test_input_dtype_and_device_must_match_the_layer():
+    m = make_layer(dtype=torch.float32)
+    x = torch.randn(2, 5, 48, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"hidden_states has dtype float64 but the layer's weights are float32: "
+                                        r"pass hidden_states.to\(torch.float32\)"):
+        m(x)
+    cache = m.new_cache(num_pages=8, page_size=4, batch=2)
+    with torch.no_grad(), pytest.raises(TypeError, match="hidden_states has dtype float64"):
+        m(x, cache=cache)
+    assert cache.is_empty()  # nothing was written
+    with pytest.raises(TypeError, match="hidden_states has dtype int64"):
+        m(torch.zeros(2, 5, 48, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden_states is on meta but the layer's weights are on cpu"):
+        m(torch.empty(2, 5, 48, device="meta"))
+    other = MLACache(32, 8).allocate(num_pages=8, page_size=4, batch=2, device="meta", dtype=torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache is on meta but hidden_states is on cpu"):
+        m(x.float(), cache=other)
+    # under autocast a mixed dtype is what autocast does: accepted, and the output is autocast's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x.to(torch.bfloat16))
+    ref = m(x.float())
+    assert torch.isfinite(y.float()).all()
+    torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.1)
