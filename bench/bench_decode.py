@@ -16,8 +16,12 @@ the plan costs in a decode step). Adds the run to the results store bench/result
 decode-ab.json; bench/store.py: rows keyed by gpu, torch, commit and date), redraws decode.png (decode-ab.png)
 from it, and prints a table.
 
-The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, device, tune_fields}; each row has
-  B, S, H, Sq, page, dtype, tune: the case (tune = set_tuning's arguments in order, TUNE_FIELDS; AUTO = automatic)
+A case with launch options (the extension's LaunchOptions, OPTION_FIELDS: --sweep, --ab) is timed through
+decode_with_options / decode_schedule_with_options; a case without (AUTO) through decode / decode_schedule.
+
+The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, device, option_fields}; each row has
+  B, S, H, Sq, page, dtype, options: the case (options: the LaunchOptions fields set, {} = automatic)
+  kernel                                the main kernel (launch_info)
   kernel_us, kernel_GBps, kernel_TFps   decode() with its own schedule, on a stream
   graph_us, graph_GBps                  the same, replayed from a CUDA graph
   sched_us, sched_GBps, sched_TFps      decode(..., schedule=precomputed), on a stream
@@ -28,8 +32,8 @@ The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, de
     python bench/bench_decode.py [--quick] [--sweep]
     python bench/bench_decode.py --out FILE.json   # this run alone to FILE.json (+ .png), not to the store
     python bench/bench_decode.py --replot [FILE]   # only redraw the PNG of the latest run (default: decode store)
-    python bench/bench_decode.py --quick --no-sdpa --ab 0,0,0,-1,-1,-1,-1,-1,0 --rounds 3
-        # A/B in one process: each case with automatic tuning and with these set_tuning arguments, alternating
+    python bench/bench_decode.py --quick --no-sdpa --ab groups=0 --rounds 3
+        # A/B in one process: each case with the automatic launch and with these launch options, alternating
 """
 from __future__ import annotations
 
@@ -52,8 +56,33 @@ from common import graph_ms, median_ms, stamp  # noqa: E402
 from store import latest_rows, load, record, store_path  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
-TUNE_FIELDS = ("stages", "ctas_per_sm", "max_m_tile", "split_loaders", "qk_narrow", "ws", "pdl", "qk_mbar", "wide")
-AUTO = (0, 0, 0, -1, -1, -1, -1, -1, -1)  # set_tuning(*AUTO): every launch choice automatic
+# LaunchOptions fields (csrc/sm80/mla_decode_sm80_api.cpp) and their types: int counts, bool switches
+OPTION_FIELDS = {"stages": int, "ctas_per_sm": int, "warp_specialized": bool, "groups": bool, "pdl": bool}
+AUTO: dict = {}  # no options: decode()'s automatic launch
+
+
+def parse_options(text: str, what: str = "--ab") -> dict:
+    """Launch options given as "field=value,..." (--ab, or the tools' arguments; `what` names them in errors) as a
+    LaunchOptions keyword dict (bools as 0/1 or true/false)."""
+    opts = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or key not in OPTION_FIELDS:
+            raise SystemExit(f"{what}: expected field=value with field in {', '.join(OPTION_FIELDS)}, got {item!r}")
+        if OPTION_FIELDS[key] is bool:
+            if val.lower() not in ("0", "1", "true", "false"):
+                raise SystemExit(f"{what}: {key} takes 0/1 or true/false, got {val!r}")
+            opts[key] = val.lower() in ("1", "true")
+        else:
+            try:
+                opts[key] = int(val)
+            except ValueError:
+                raise SystemExit(f"{what}: {key} takes an integer, got {val!r}") from None
+    return opts
+
+
+def options_label(options: dict) -> str:
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items()) or "auto"
 
 
 def bench_ms(fn) -> float:
@@ -73,32 +102,40 @@ def make_case(B, S, H, Sq, page, dtype, seed=0):
     return buf, table, q_nope, q_pe, seqlens
 
 
-def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUTO):
+def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=AUTO):
     buf, table, q_nope, q_pe, seqlens = make_case(B, S, H, Sq, page, dtype)
     ckv, kpe = buf[..., :512], buf[..., 512:]
     out = torch.empty(B, Sq, H, 512, dtype=dtype, device="cuda")
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device="cuda")
     causal = Sq > 1
-    ext.set_tuning(*tune)
-    kernel = ext.launch_info(B, Sq, H, torch.cuda.current_device())["kernel"]
-    fn = lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)  # noqa: E731
+    if options:
+        opts = ext.LaunchOptions(**options)
+        kernel = ext.launch_info(B, Sq, H, torch.cuda.current_device(), opts)["kernel"]
+        call = lambda schedule=None: ext.decode_with_options(  # noqa: E731
+            q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal, opts, schedule=schedule)
+        plan = lambda: ext.decode_schedule_with_options(seqlens, Sq, H, opts)  # noqa: E731
+    else:
+        kernel = ext.launch_info(B, Sq, H, torch.cuda.current_device())["kernel"]
+        call = lambda schedule=None: ext.decode(  # noqa: E731
+            q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal, schedule=schedule)
+        plan = lambda: ext.decode_schedule(seqlens, Sq, H)  # noqa: E731
+    fn = lambda: call()  # noqa: E731
     fn()
     torch.cuda.synchronize()
     ms = bench_ms(fn)
     gms = graph_ms(fn, timer=bench_ms)
     # precomputed schedule: planned once (as once per decode step), reused by every timed call
-    sched = ext.decode_schedule(seqlens, Sq, H)
-    sched_fn = lambda: ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal,  # noqa: E731
-                                  schedule=sched)
+    sched = plan()
+    sched_fn = lambda: call(sched)  # noqa: E731
     sched_fn()
     torch.cuda.synchronize()
     sms_ = bench_ms(sched_fn)
     sgms = graph_ms(sched_fn, timer=bench_ms)
-    pgms = graph_ms(lambda: ext.decode_schedule(seqlens, Sq, H), timer=bench_ms)
+    pgms = graph_ms(plan, timer=bench_ms)
     bytes_ = B * S * 576 * 2
     flops = 2.0 * B * Sq * H * S * (576 + 512)
     row = {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": str(dtype).replace("torch.", ""),
-           "tune": list(tune), "kernel": kernel, "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
+           "options": dict(options), "kernel": kernel, "kernel_us": ms * 1e3, "kernel_GBps": bytes_ / ms / 1e6, "kernel_TFps": flops / ms / 1e9,
            "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6,
            "sched_us": sms_ * 1e3, "sched_GBps": bytes_ / sms_ / 1e6, "sched_TFps": flops / sms_ / 1e9,
            "sched_graph_us": sgms * 1e3, "sched_graph_GBps": bytes_ / sgms / 1e6, "plan_graph_us": pgms * 1e3}
@@ -117,7 +154,6 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, tune=AUT
             del dense, k, v, q, ref
         except Exception as e:  # noqa: BLE001
             row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    ext.set_tuning(*AUTO)
     del buf
     torch.cuda.empty_cache()
     return row
@@ -129,10 +165,10 @@ def main(argv=None):
                     help="only redraw the PNG of the latest run in a results file (default the decode store)")
     ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time launch-config variants (set_tuning)")
-    ap.add_argument("--ab", default=None,
-                    help="comma-separated set_tuning arguments (TUNE_FIELDS order): time every case with automatic "
-                         "tuning and with these, alternating the order, --rounds times")
+    ap.add_argument("--sweep", action="store_true", help="also time launch-option variants (LaunchOptions)")
+    ap.add_argument("--ab", default=None, metavar="FIELD=VALUE,...",
+                    help=f"launch options ({', '.join(OPTION_FIELDS)}): time every case with the automatic launch "
+                         "and with these, alternating the order, --rounds times")
     ap.add_argument("--rounds", type=int, default=1, help="with --ab: rounds")
     ap.add_argument("--case", action="append", default=None, metavar="B,S,H[,Sq]",
                     help="time these cases (bf16, page 64) instead of the default list; repeatable")
@@ -159,27 +195,27 @@ def main(argv=None):
             dict(B=7, S=32768, H=16, page=64),
         ]
     if args.sweep:
-        # all-warps kernel at 2 CTAs/SM (the default before the warp-specialized one), the warp-specialized
+        # all-warps kernel at 2 CTAs/SM (where the warp-specialized one does not fit), the warp-specialized
         # kernel with 3 and 4 stages (automatic: the most that fit, 5 on the H200), and without programmatic
         # dependent launch
-        for tune in [(0, 2, 0, 1, -1, 0, -1), (3, 0, 0, -1, -1, 1, -1), (4, 0, 0, -1, -1, 1, -1), (0, 0, 0, -1, -1, -1, 0)]:
-            cases.append(dict(B=128, S=4096, H=16, page=64, tune=tune))
-            cases.append(dict(B=4, S=32768, H=16, page=64, tune=tune))
-        # 128 heads: the 32-token kernels (8 QK warps; 4 QK warps = NARROW) instead of the wide one, and the
-        # warp-specialized kernel on 32-row tiles
-        for tune in [(0, 0, 0, -1, 0, -1, -1), (0, 0, 0, -1, -1, -1, -1, -1, 0), (0, 0, 32, -1, -1, 1, -1)]:
-            cases.append(dict(B=128, S=4096, H=128, page=64, tune=tune))
+        for options in [dict(warp_specialized=False), dict(stages=3), dict(stages=4), dict(pdl=False)]:
+            cases.append(dict(B=128, S=4096, H=16, page=64, options=options))
+            cases.append(dict(B=4, S=32768, H=16, page=64, options=options))
+        # 128 heads: the 32-token all-warps kernel (four QK warps) instead of the row-group one
+        cases.append(dict(B=128, S=4096, H=128, page=64, options=dict(groups=False)))
     if args.case:
         cases = [dict(zip(("B", "S", "H", "Sq"), (int(x) for x in c.split(","))), page=64) for c in args.case]
     if args.ab:
-        ab = tuple(int(x) for x in args.ab.split(","))
-        cases = [dict(c, tune=t, sdpa=False, round=r) for r in range(args.rounds) for c in cases
-                 for t in ((AUTO, ab) if r % 2 == 0 else (ab, AUTO))]
+        ab = parse_options(args.ab)
+        if not ab:
+            raise SystemExit("--ab: no launch options given")
+        cases = [dict(c, options=o, sdpa=False, round=r) for r in range(args.rounds) for c in cases
+                 for o in ((AUTO, ab) if r % 2 == 0 else (ab, AUTO))]
     meta = stamp()  # at the start: the run's date is when it began
     rows = []
     for c in cases:
-        c.setdefault("tune", AUTO)
-        if c["tune"] != AUTO:
+        c.setdefault("options", AUTO)
+        if c["options"] != AUTO:
             c["sdpa"] = False
         c.setdefault("sdpa", not args.no_sdpa)
         rnd = c.pop("round", None)
@@ -189,19 +225,19 @@ def main(argv=None):
         rows.append(r)
         print(json.dumps(r), flush=True)
     dev = torch.cuda.get_device_name()
-    hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'tune':>22} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
+    hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'options':>22} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
            f"{'graph us':>8} {'GB/s':>7} | {'sched us':>8} {'GB/s':>7} | {'s.graph':>8} {'GB/s':>7} {'plan us':>7} | "
            f"{'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
-    print(f"\nmla_decode_sm80 on {dev}; tune = set_tuning({', '.join(TUNE_FIELDS)}), -1/0 = automatic\n" + hdr + "\n" + "-" * len(hdr))
+    print(f"\nmla_decode_sm80 on {dev}; options = LaunchOptions fields set, auto = none\n" + hdr + "\n" + "-" * len(hdr))
     for r in rows:
         s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
-        tn = "auto" if tuple(r["tune"]) == AUTO else ",".join(str(x) for x in r["tune"])
+        tn = options_label(r["options"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>22} | "
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
               f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
               f"{r['plan_graph_us']:7.1f} | {s}")
-    meta.update({"device": dev, "tune_fields": TUNE_FIELDS})
-    # A/B rows (each case twice per round, automatic and --ab tuning) have a store of their own
+    meta.update({"device": dev, "option_fields": list(OPTION_FIELDS)})
+    # A/B rows (each case twice per round, automatic and --ab options) have a store of their own
     out = record("decode-ab" if args.ab else "decode", meta, rows, out=args.out, results=args.results)
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
@@ -217,7 +253,7 @@ def plot(rows, path):
         print("matplotlib missing: no plot")
         return
     cases = {}
-    for r in rows:  # the first (automatic-tuning) row of each case
+    for r in rows:  # the first (automatic-launch) row of each case
         cases.setdefault((r["B"], r["S"], r["H"], r["Sq"], r["page"], r["dtype"]), r)
     labels = [f"B{b} S{s}\nH{h} q{q} p{p}" for b, s, h, q, p, _ in cases]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(cases) * 2), 4.5))

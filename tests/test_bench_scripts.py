@@ -26,10 +26,10 @@ def decode(monkeypatch):
     mod = _load("bench_decode")
     calls = []
 
-    def fake_run_case(ext, B, S, H, page, Sq=1, dtype=None, sdpa=True, tune=mod.AUTO):
-        calls.append((B, S, H, tuple(tune)))
+    def fake_run_case(ext, B, S, H, page, Sq=1, dtype=None, sdpa=True, options=mod.AUTO):
+        calls.append((B, S, H, dict(options)))
         us = 100.0 + len(calls)
-        return {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": "bfloat16", "tune": list(tune),
+        return {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": "bfloat16", "options": dict(options),
                 **{f"{k}_us": us for k in ("kernel", "graph", "sched", "sched_graph", "plan_graph")},
                 **{f"{k}_GBps": 1.0 for k in ("kernel", "graph", "sched", "sched_graph")},
                 "kernel_TFps": 1.0, "sched_TFps": 1.0}
@@ -46,18 +46,17 @@ def decode(monkeypatch):
 def test_decode_runs_go_to_decode_or_decode_ab(decode, tmp_path):
     decode.main(["--quick", "--results", str(tmp_path)])
     st = json.loads((tmp_path / "decode.json").read_text())
-    assert len(st["runs"]) == 1 and st["runs"][0]["tune_fields"] == list(decode.TUNE_FIELDS)
+    assert len(st["runs"]) == 1 and st["runs"][0]["option_fields"] == list(decode.OPTION_FIELDS)
     assert [(r["B"], r["H"]) for r in st["rows"]] == [(128, 16), (128, 128), (4, 16)]
     assert all(r["commit"] == "c0ffee" and r["gpu"] == "fake" for r in st["rows"])
     assert decode.plotted == [(3, "decode.png")]
 
-    ab = "0,0,0,-1,-1,-1,-1,-1,2"
-    decode.main(["--quick", "--ab", ab, "--rounds", "2", "--results", str(tmp_path)])
+    decode.main(["--quick", "--ab", "groups=0,stages=3", "--rounds", "2", "--results", str(tmp_path)])
     st_ab = json.loads((tmp_path / "decode-ab.json").read_text())
-    tune = [int(x) for x in ab.split(",")]
+    opts = {"groups": False, "stages": 3}
     # each case twice per round, the order alternating, and every row's round recorded
-    assert [(r["round"], r["tune"] == tune) for r in st_ab["rows"][:2]] == [(0, False), (0, True)]
-    assert [(r["round"], r["tune"] == tune) for r in st_ab["rows"][6:8]] == [(1, True), (1, False)]
+    assert [(r["round"], r["options"]) for r in st_ab["rows"][:2]] == [(0, {}), (0, opts)]
+    assert [(r["round"], r["options"]) for r in st_ab["rows"][6:8]] == [(1, opts), (1, {})]
     assert len(st_ab["rows"]) == 12
     assert json.loads((tmp_path / "decode.json").read_text()) == st  # the plain store is left alone
 
@@ -68,6 +67,20 @@ def test_decode_runs_go_to_decode_or_decode_ab(decode, tmp_path):
     decode.plotted.clear()
     decode.main(["--replot", "--results", str(tmp_path)])  # the latest run of the store, drawn beside it
     assert decode.plotted == [(3, "decode.png")]
+
+
+def test_decode_ab_options_parse_and_reject(decode):
+    assert decode.parse_options("warp_specialized=false,ctas_per_sm=1,pdl=1") == {
+        "warp_specialized": False, "ctas_per_sm": 1, "pdl": True}
+    assert decode.options_label({"groups": False, "stages": 2}) == "groups=0,stages=2"
+    assert decode.options_label({}) == "auto"
+    for bad, match in (("wide=1", "field=value"), ("groups", "field=value"), ("groups=2", "0/1"),
+                       ("stages=x", "integer")):
+        with pytest.raises(SystemExit, match=match):
+            decode.parse_options(bad)
+    with pytest.raises(SystemExit, match="no launch options"):
+        decode.main(["--quick", "--ab", ","])
+    assert decode.calls == []
 
 
 def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):

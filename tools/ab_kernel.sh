@@ -8,7 +8,7 @@
 #           mkdir -p .ab/csrc/sm90 && git show main:csrc/sm90/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd_sm90_kernel.cuh
 #   Run:    FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash tools/ab_kernel.sh
 #   Decode: FAMILY=mla_decode_sm80 TESTS=tests/gpu/test_mla_decode_sm80.py PROFILE="--decode 128 4096 128" bash tools/ab_kernel.sh
-#           (or, for a set_tuning switch, bench/bench_decode.py --ab TUNE in one process)
+#           (or, for a launch option, bench/bench_decode.py --ab FIELD=VALUE,... in one process)
 #   One build, two settings (a run-time knob such as MLA_BWD_SM90_KV_PREFETCH): no baseline files needed,
 #           SAME_BUILD=1 ENV_A="MLA_BWD_SM90_KV_PREFETCH=0" bash tools/ab_kernel.sh
 # Knobs: FAMILY, EXTRA_FAMILIES (built for B only, e.g. for the API tests), TESTS (B's test files),

@@ -7,7 +7,9 @@ for the used CTAs of each call, relative to the first CTA's entry (us: median, m
 the KV loop's time per tile and the spread of the CTAs' end times. The stamp stores cost a little: do not
 compare its times with bench_decode's.
 
-    python3 tools/decode_stamps.py [--case B,S,H ...] [--runs 5] [--out stamps.json] [set_tuning keyword=value ...]
+    python3 tools/decode_stamps.py [--case B,S,H ...] [--runs 5] [--out stamps.json] [LaunchOptions field=value ...]
+
+With launch options (e.g. stages=3) the calls go through decode_with_options (bench_decode.parse_options).
 
 --out writes the raw stamps as a results file of one run (bench/store.py; one row per call: case, call, and the
 stamps of every CTA); tools/merge_results.py adds it to bench/results/decode-stamps.json.
@@ -30,7 +32,7 @@ from mla_autograd import _build  # noqa: E402
 
 _cache = Path(_default_cache or _build.cache_root())
 os.environ["MLA_AUTOGRAD_CACHE"] = str(_cache.with_name(_cache.name + "-stamps"))
-from bench_decode import SCALE, make_case  # noqa: E402
+from bench_decode import SCALE, make_case, parse_options  # noqa: E402
 from common import stamp  # noqa: E402
 from store import record  # noqa: E402
 
@@ -49,10 +51,11 @@ def main() -> None:
     ap.add_argument("--case", action="append", help="B,S,H (default: 4,32768,16 and 128,4096,16)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=None, help="raw stamps as a results file (bench/store.py)")
-    ap.add_argument("tune", nargs="*", help="set_tuning keyword=value")
+    ap.add_argument("options", nargs="*", help="LaunchOptions field=value")
     args = ap.parse_args()
     ext = _build.load_family("mla_decode_sm80")
-    ext.set_tuning(**{k: int(v) for k, v in (a.split("=") for a in args.tune)})
+    options = parse_options(",".join(args.options), "launch options")
+    opts = ext.LaunchOptions(**options) if options else None
     meta = stamp()
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     raw = {}
@@ -65,7 +68,10 @@ def main() -> None:
         runs = []
         for r in range(args.runs + 1):  # the first call is a warm-up
             flush.zero_()
-            ext.decode(qn, qp, ckv, kpe, table, seqlens, out, lse, SCALE, False)
+            if opts is None:
+                ext.decode(qn, qp, ckv, kpe, table, seqlens, out, lse, SCALE, False)
+            else:
+                ext.decode_with_options(qn, qp, ckv, kpe, table, seqlens, out, lse, SCALE, False, opts)
             st = ext.read_stamps()
             if st.numel() == 0:
                 sys.exit("decode_stamps: the module has no stamps (was it built without -DMLA_DECODE_STAMPS?)")

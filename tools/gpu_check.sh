@@ -69,8 +69,10 @@ if [ "$MODE" != "--bench-only" ]; then
   fi
   if [ -n "${SANITIZE:-}" ]; then
     say "== compute-sanitizer (tools/sanitize_small.py)"
+    # the racecheck run's decode module (-DMLA_DECODE_QK_MBAR, a cache of its own), built outside the tool
+    python3 tools/sanitize_small.py --qk-mbar --build-only >"$WORK/sanitize_build.log" 2>&1 || say "qk-mbar build failed"
     for tool in memcheck racecheck; do
-      # racecheck: the decode kernel in its mbarrier mode (--qk-mbar, same bits; see tools/sanitize_small.py)
+      # racecheck: the decode module built in its mbarrier mode (--qk-mbar, same bits; see tools/sanitize_small.py)
       extra=""; [ "$tool" = racecheck ] && extra="--qk-mbar"
       timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tools/sanitize_small.py ${SANITIZE_ARGS:-} $extra \
         >"$WORK/sanitize_$tool.log" 2>&1

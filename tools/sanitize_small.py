@@ -3,14 +3,22 @@
     compute-sanitizer --tool memcheck python tools/sanitize_small.py
     compute-sanitizer --tool racecheck python tools/sanitize_small.py
     compute-sanitizer --tool racecheck python tools/sanitize_small.py --decode-only [--qk-mbar]
+    python tools/sanitize_small.py --qk-mbar --build-only   # build the --qk-mbar module first, outside the tool
 
 Through the public API: SM90 forward and backward (dense GQA with ragged lengths and bottom-right
 causal mask, and varlen with an empty sequence) and the SM80-style decode over a NaN-poisoned paged
 cache, each checked loosely against the reference so a silent failure under the tool shows. Prints
 the backend of each call; exits non-zero if any result is wrong.
+
+--qk-mbar: the decode calls run a mla_decode_sm80 module built with -DMLA_DECODE_QK_MBAR, in a cache of its own
+beside the normal one (the build fingerprint does not see NVCC_APPEND_FLAGS; the normal cache is never touched):
+the warp-specialized kernel's QK warps then sync on an mbarrier (same results bit for bit, 3% slower); with the
+normal build's named barrier racecheck loses track of the QK -> PV hand-offs and reports 2-3 false hazards
+(tools/racecheck_probe.cu, modes 5 and 6).
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -67,18 +75,39 @@ def _attention_cases(dev, dt, g) -> bool:
     return ok
 
 
+def _load_qk_mbar_decode():
+    """mla_decode_sm80 built with -DMLA_DECODE_QK_MBAR into its own cache, loaded before anything else loads the
+    family, so that every decode call of this process (M.decode included) runs it."""
+    from mla_autograd import _build
+    cache = _build.cache_root()
+    saved = {k: os.environ.get(k) for k in ("MLA_AUTOGRAD_CACHE", "NVCC_APPEND_FLAGS")}
+    os.environ["MLA_AUTOGRAD_CACHE"] = str(cache.with_name(cache.name + "-qk-mbar"))
+    os.environ["NVCC_APPEND_FLAGS"] = f"{saved['NVCC_APPEND_FLAGS'] or ''} -DMLA_DECODE_QK_MBAR".strip()
+    try:
+        ext = _build.load_family("mla_decode_sm80")
+    finally:  # the other families build and load from the normal cache, with the normal flags
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if not ext.qk_mbar:
+        raise SystemExit("sanitize_small: the --qk-mbar module was built without -DMLA_DECODE_QK_MBAR")
+    return ext
+
+
 def main() -> int:
+    if "--qk-mbar" in sys.argv:
+        _load_qk_mbar_decode()
+        if "--build-only" in sys.argv:
+            print("sanitize_small: qk-mbar module built", flush=True)
+            return 0
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     ok = True
     if "--decode-only" not in sys.argv:
         ok &= _attention_cases(dev, dt, g)
-    # decode. --qk-mbar: the warp-specialized kernel's QK warps sync on an mbarrier (set_tuning qk_mbar=1, same
-    # results bit for bit); with their default named barrier racecheck loses track of the QK -> PV hand-offs
-    # and reports 2-3 false hazards (tools/racecheck_probe.cu, modes 5 and 6).
-    if "--qk-mbar" in sys.argv:
-        from mla_autograd._build import load_family
-        load_family("mla_decode_sm80").set_tuning(qk_mbar=1)
+    # decode (with --qk-mbar: the module loaded above)
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator

@@ -28,9 +28,31 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 
 struct DevInfo { int major = 0, sms = 0, smem_optin = 0, smem_per_sm = 0; };
 
-// Tuning overrides for benchmarks (0 = automatic): cp.async stages, CTAs per SM, largest m-tile.
-int g_tune_stages = 0, g_tune_ctas = 0, g_tune_max_mtile = 0, g_tune_split_loaders = -1, g_tune_qk_narrow = -1, g_tune_ws = -1,
-    g_tune_pdl = -1, g_tune_qk_mbar = -1, g_tune_wide = -1;
+// Launch options of the test entry points (decode_with_options, decode_schedule_with_options, launch_info): each
+// one, away from its default, makes on this device a choice that the automatic launch makes on another device or
+// for other inputs, so that one GPU can run every kernel configuration some device runs. The defaults are the
+// automatic launch, which decode(), decode_schedule() and schedule_numel() always take.
+struct LaunchOptions {
+  int stages = 0;                // > 0: at most this many cp.async stages (the warp-specialized kernel: at least
+                                 // 3), as on a device with less shared memory; 0: as many as fit
+  int ctas_per_sm = 0;           // 1 or 2: CTAs per SM of the all-warps 16/32-row kernel (2 only where two fit);
+                                 // 0: two where two fit
+  bool warp_specialized = true;  // false: 16/32-row tiles run the all-warps kernel (as on 8.6/8.9, or for caches
+                                 // with strides beyond 32 bits)
+  bool groups = true;            // false: 64-row tiles run the all-warps kernel (as where the row-group kernel does
+                                 // not fit: 8.0, 8.7)
+  bool pdl = true;               // false: plain launches, no programmatic dependent launch (as on sm_80)
+};
+
+const LaunchOptions kAutoLaunch{};
+
+// Every option in range, checked before anything runs; fn names the caller.
+void check_options(const LaunchOptions& opt, const char* fn) {
+  MLA_CHECK(opt.stages == 0 || (opt.stages >= mds::kMinStages && opt.stages <= mds::kMaxStages), fn,
+              ": options.stages must be 0 or in [", mds::kMinStages, ", ", mds::kMaxStages, "], got ", opt.stages);
+  MLA_CHECK(opt.ctas_per_sm >= 0 && opt.ctas_per_sm <= 2, fn, ": options.ctas_per_sm must be 0, 1 or 2, got ",
+              opt.ctas_per_sm);
+}
 
 // "(d0, d1, ...)" without streaming an IntArrayRef.
 std::string shape_str(const at::Tensor& t) {
@@ -56,8 +78,8 @@ const DevInfo& dev_info(int device) {
   return cache[device];
 }
 
-// Launch shape of a decode call: every decision that depends only on (B, Sq, H), the device and the tuning
-// globals, among them the size of the split-KV schedule. decode() and decode_schedule() both take it from
+// Launch shape of a decode call: every decision that depends only on (B, Sq, H), the device and the launch
+// options, among them the size of the split-KV schedule. decode() and decode_schedule() both take it from
 // here, so a schedule and the decode that consumes it agree by construction; so does the size that the fake
 // of mla_autograd::mla_decode_schedule reports (schedule_numel below).
 struct LaunchShape {
@@ -66,9 +88,8 @@ struct LaunchShape {
   bool ws = false;          // the warp-specialized kernel (when the caches' strides also fit int32: decode_impl)
   int ws_stages = 0;        // its cp.async stages
   int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
-  int wide = 0;             // 64-row tiles, 64 KV tokens per step: 3 = the row-group kernel (two decoupled 4-warp
-                            // groups of 32 rows, mla_decode_groups_kernel); 1 = the lockstep wide all-warps kernel
-                            // with its QK warps splitting the contraction (32 x 32 warp tiles), 2 = not (16 x 32)
+  bool groups = false;      // 64-row tiles: the row-group kernel (64 KV tokens per step, two decoupled 4-warp
+                            // groups of 32 rows, mla_decode_groups_kernel), else the all-warps kernel
   int ctas = 1;             // CTAs per SM counted by num_parts
   int num_parts = 1;        // target number of CTAs per m-block
   int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
@@ -77,12 +98,12 @@ struct LaunchShape {
   int64_t sched_numel() const { return num_items * 4 + B * 2; }
 };
 
-LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, int64_t force_splits, const char* fn) {
+LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, int64_t force_splits,
+                         const LaunchOptions& opt, const char* fn) {
   LaunchShape ls;
   ls.B = B;
   ls.rows = Sq * H;
   ls.m_tile = ls.rows <= 16 ? 16 : (ls.rows <= 32 ? 32 : 64);
-  if (g_tune_max_mtile >= 16) ls.m_tile = std::min(ls.m_tile, g_tune_max_mtile <= 16 ? 16 : (g_tune_max_mtile <= 32 ? 32 : 64));
   const int m_tile = ls.m_tile;
   ls.num_mblocks = int((ls.rows + m_tile - 1) / m_tile);
   // All-warps kernel, 16/32-row tiles: two CTAs per SM when two fit (each with 2 stages); else one CTA with
@@ -90,34 +111,28 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   // The main kernels' static shared memory (work_item's inline-schedule slot) comes out of the same budget.
   const int dyn_optin = prop.smem_optin - mds::kStaticSmemBytes;
   int ctas = 1, stages = mds::max_stages_for(m_tile, dyn_optin);
-  const int want_ctas = g_tune_ctas > 0 ? g_tune_ctas : (m_tile <= 32 ? 2 : 1);
+  const int want_ctas = opt.ctas_per_sm > 0 ? opt.ctas_per_sm : (m_tile <= 32 ? 2 : 1);
   if (want_ctas >= 2 && m_tile <= 32) {
     const int per_cta = (prop.smem_per_sm / 2) - 1024 - mds::kStaticSmemBytes;  // 1 KB per CTA reserved by the runtime
     const int s2 = mds::max_stages_for(m_tile, per_cta);
     if (s2 >= mds::kMinStages) { ctas = 2; stages = s2; }
   }
-  // 64-row tiles: the row-group kernel (64 KV tokens per step, two decoupled 4-warp groups of 32 rows) wherever
-  // it fits (sm_90's 227 KB, not sm_80's 163 KB); wide=1/2 ask for the lockstep wide kernel instead (its QK warps
-  // splitting the contraction or not). An explicit qk_narrow or stages override keeps the 32-token kernel unless
-  // wide is asked for as well.
-  if (m_tile == 64 && g_tune_wide != 0) {
-    const bool want = g_tune_wide >= 1 || (g_tune_qk_narrow < 0 && g_tune_stages == 0);
-    if (want && (g_tune_wide == 3 || g_tune_wide < 0)) {
-      if (mds::GroupsConfig::smem_bytes() <= dyn_optin) { ls.wide = 3; stages = mds::GroupsConfig::kStages; }
-    } else if (want) {
-      const int wide_stages = mds::wide_stages_for(dyn_optin);
-      if (wide_stages >= mds::kMinStages) { ls.wide = g_tune_wide; stages = wide_stages; }
-    }
+  // 64-row tiles: the row-group kernel (64 KV tokens per step, two decoupled 4-warp groups of 32 rows, its two
+  // stages fixed) wherever it fits (sm_90's 227 KB, not sm_80's 163 KB).
+  if (m_tile == 64 && opt.groups && mds::GroupsConfig::smem_bytes() <= dyn_optin) {
+    ls.groups = true;
+    stages = mds::GroupsConfig::kStages;
+  } else if (opt.stages > 0) {
+    stages = std::min(stages, opt.stages);
   }
-  if (g_tune_stages > 0) stages = std::min(stages, g_tune_stages);
   ls.stages = stages;
   // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
   // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
   const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, dyn_optin) : 0;
-  ls.ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && g_tune_ws != 0;
+  ls.ws = ws_stages >= mds::WsTileConfig<16>::kMinStages && opt.warp_specialized;
   if (ls.ws) {
-    ls.ws_stages = g_tune_stages > 0 ? std::max(mds::WsTileConfig<16>::kMinStages, std::min(ws_stages, g_tune_stages))
-                                     : ws_stages;
+    ls.ws_stages = opt.stages > 0 ? std::max(mds::WsTileConfig<16>::kMinStages, std::min(ws_stages, opt.stages))
+                                  : ws_stages;
     ctas = 1;
   }
   ls.ctas = ctas;
@@ -153,7 +168,7 @@ void check_schedule_size(const at::Tensor& schedule, int64_t need, int64_t B, in
 void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
                  const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
                  at::Tensor& out, at::Tensor& lse, double softmax_scale, bool causal, int64_t force_splits,
-                 const c10::optional<at::Tensor>& schedule) {
+                 const c10::optional<at::Tensor>& schedule, const LaunchOptions& opt) {
   // ---- validation (every argument named) ----
   MLA_CHECK(q_nope.is_cuda(), "decode: q_nope must be a CUDA tensor");
   const auto dev = q_nope.device();
@@ -205,6 +220,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   MLA_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0, "decode: out must be 8-byte aligned");
   mla::check_softmax_scale(softmax_scale, "decode");
   MLA_CHECK(force_splits >= 0 && force_splits <= 4096, "decode: num_splits must be in [0, 4096]");
+  check_options(opt, "decode");
   MLA_CHECK(B <= 60000, "decode: batch (", B, ") too large for one launch");
   if (schedule.has_value()) check_schedule_tensor(*schedule, dev);
   if (B == 0) {
@@ -217,8 +233,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   const DevInfo& prop = dev_info(dev.index());
   MLA_CHECK(prop.major >= 8, "decode: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
 
-  // Launch shape from (B, Sq, H), the device and the tuning globals (the same function sizes decode_schedule).
-  const LaunchShape ls = launch_shape(B, Sq, H, prop, force_splits, "decode");
+  // Launch shape from (B, Sq, H), the device and the options (the same function sizes decode_schedule).
+  const LaunchShape ls = launch_shape(B, Sq, H, prop, force_splits, opt, "decode");
   // The warp-specialized kernel keeps 32-bit cache offsets: caches with larger strides take the all-warps
   // kernel instead. The schedule shape (num_parts, num_items) stays the one launch_shape chose, so a schedule
   // from decode_schedule() fits either kernel (any complete schedule is correct for any of them).
@@ -261,17 +277,9 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   int lg = 0; while ((int64_t(1) << lg) < page_size) ++lg;
   p.log2_page = lg;
   p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
-  p.wide = ls.wide;
+  p.groups = ls.groups ? 1 : 0;
   // Programmatic dependent launch (sm_90+): main and merge kernels start while their predecessor finishes.
-  p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
-  // Warp-specialized kernel: the QK warps' own sync on an mbarrier instead of named barrier 1 (auto: off).
-  // Same results bit for bit; 3% slower on the H200 at H=16 B=128 (190 vs 184 us), but compute-sanitizer
-  // racecheck follows the QK -> PV hand-offs only in this mode (0 hazards; 2-3 false reports otherwise).
-  p.qk_mbar = g_tune_qk_mbar == 1 ? 1 : 0;
-  // 16-row tiles: the four warps that sit out the QK phase issue the KV loads (auto: on).
-  p.split_loaders = g_tune_split_loaders >= 0 ? g_tune_split_loaders : 1;
-  // 64-row tiles: 4 QK warps + 4 loader warps during the QK phase (auto: on).
-  p.qk_narrow = g_tune_qk_narrow >= 0 ? g_tune_qk_narrow : 1;
+  p.pdl = (prop.major >= 9 && opt.pdl) ? 1 : 0;
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
   p.causal = causal;
 
@@ -301,7 +309,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
 void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache, const at::Tensor& kpe_cache,
             const at::Tensor& block_table, const at::Tensor& cache_seqlens, at::Tensor out, at::Tensor lse,
             double softmax_scale, bool causal, const c10::optional<at::Tensor>& schedule) {
-  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0, schedule);
+  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0, schedule,
+              kAutoLaunch);
 }
 
 // Same as decode(), with every non-empty request split into `num_splits` KV ranges (tests of the merge path).
@@ -311,7 +320,17 @@ void decode_splits(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::T
                    const c10::optional<at::Tensor>& schedule) {
   MLA_CHECK(num_splits >= 1, "decode_splits: num_splits must be >= 1");
   decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits,
-              schedule);
+              schedule, kAutoLaunch);
+}
+
+// decode() (num_splits = 0) or decode_splits() launched with `options` instead of the automatic choices (tests,
+// benchmarks); a schedule must come from decode_schedule_with_options() with the same options and num_splits.
+void decode_with_options(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
+                         const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+                         at::Tensor out, at::Tensor lse, double softmax_scale, bool causal, const LaunchOptions& options,
+                         int64_t num_splits, const c10::optional<at::Tensor>& schedule) {
+  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, num_splits,
+              schedule, options);
 }
 
 // Arguments of decode_schedule() / schedule_numel() that fix the schedule's shape; fn names the caller.
@@ -327,7 +346,8 @@ void check_schedule_args(const char* fn, int64_t batch, int64_t seqlen_q, int64_
 // stream into a new int32 tensor of launch_shape(...).sched_numel() elements. One schedule serves every
 // call with the same cache_seqlens values and (B, Sq, H) on this device (all layers of a decode step); it
 // must be recomputed whenever the lengths change. B == 0: an empty tensor (decode does nothing then).
-at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, int64_t num_heads, int64_t num_splits) {
+at::Tensor schedule_impl(const at::Tensor& cache_seqlens, int64_t seqlen_q, int64_t num_heads, int64_t num_splits,
+                         const LaunchOptions& opt) {
   MLA_CHECK(cache_seqlens.is_cuda(), "decode_schedule: cache_seqlens must be a CUDA tensor, got ",
               cache_seqlens.device().str());
   MLA_CHECK(cache_seqlens.scalar_type() == at::kInt, "decode_schedule: cache_seqlens must be int32, got ",
@@ -336,6 +356,7 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
               "decode_schedule: cache_seqlens must be a contiguous int32 (B,) tensor, got ", shape_str(cache_seqlens));
   const int64_t B = cache_seqlens.size(0);
   check_schedule_args("decode_schedule", B, seqlen_q, num_heads, num_splits);
+  check_options(opt, "decode_schedule");
   const auto dev = cache_seqlens.device();
   const auto opts = cache_seqlens.options().dtype(at::kInt);
   if (B == 0) return at::empty({0}, opts);
@@ -344,7 +365,7 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const DevInfo& prop = dev_info(dev.index());
   MLA_CHECK(prop.major >= 8, "decode_schedule: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
-  const LaunchShape ls = launch_shape(B, seqlen_q, num_heads, prop, num_splits, "decode_schedule");
+  const LaunchShape ls = launch_shape(B, seqlen_q, num_heads, prop, num_splits, opt, "decode_schedule");
   at::Tensor sched = at::empty({ls.sched_numel()}, opts);
 
   // Only what the metadata kernel reads: lengths, B, the part count and split sizes, the two outputs.
@@ -354,10 +375,20 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
   p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + ls.num_items * 4;
   p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;
   p.force_splits = int(num_splits);
-  p.pdl = (prop.major >= 9 && g_tune_pdl != 0) ? 1 : 0;
+  p.pdl = (prop.major >= 9 && opt.pdl) ? 1 : 0;
   mds::launch_metadata(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sched;
+}
+
+at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, int64_t num_heads, int64_t num_splits) {
+  return schedule_impl(cache_seqlens, seqlen_q, num_heads, num_splits, kAutoLaunch);
+}
+
+// The schedule of decode_with_options(..., options, num_splits) (tests, benchmarks).
+at::Tensor decode_schedule_with_options(const at::Tensor& cache_seqlens, int64_t seqlen_q, int64_t num_heads,
+                                        const LaunchOptions& options, int64_t num_splits) {
+  return schedule_impl(cache_seqlens, seqlen_q, num_heads, num_splits, options);
 }
 
 // Elements of decode_schedule()'s result for these shapes on CUDA device `device` (no launch): the size the
@@ -365,27 +396,27 @@ at::Tensor decode_schedule(const at::Tensor& cache_seqlens, int64_t seqlen_q, in
 int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, int64_t num_splits) {
   check_schedule_args("schedule_numel", batch, seqlen_q, num_heads, num_splits);
   if (batch == 0) return 0;
-  return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, "schedule_numel").sched_numel();
+  return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, kAutoLaunch, "schedule_numel")
+      .sched_numel();
 }
 
-// Which main kernel a decode call of these shapes launches on `device`, with the launch shape (for tests, benchmarks
-// and mla_autograd.explain). "warp_specialized" falls back to "all_warps" at decode time when a cache stride
-// exceeds 32 bits.
-py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device) {
+// Which main kernel a decode call of these shapes launches on `device` (with these options; default: the
+// automatic launch of decode()), with the launch shape (for tests and benchmarks). "warp_specialized" falls back
+// to "all_warps" at decode time when a cache stride exceeds 32 bits. 64-row tiles: "all_warps_wide_groups" (the
+// row-group kernel) or "all_warps_narrow" (the all-warps kernel with four QK warps).
+py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, const LaunchOptions& options) {
   MLA_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads >= 1, "launch_info: batch, seqlen_q and num_heads must be >= 1");
-  const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), 0, "launch_info");
+  check_options(options, "launch_info");
+  const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), 0, options, "launch_info");
   const char* kernel = ls.ws ? "warp_specialized"
                      : ls.m_tile < 64 ? "all_warps"
-                     : ls.wide == 1 ? "all_warps_wide"
-                     : ls.wide == 2 ? "all_warps_wide_unsplit"
-                     : ls.wide == 3 ? "all_warps_wide_groups"
-                     : g_tune_qk_narrow != 0 ? "all_warps_narrow" : "all_warps";
+                     : ls.groups ? "all_warps_wide_groups" : "all_warps_narrow";
   py::dict d;
   d["kernel"] = kernel;
   d["m_tile"] = ls.m_tile;
   d["num_mblocks"] = ls.num_mblocks;
   d["stages"] = ls.ws ? ls.ws_stages : ls.stages;
-  d["tokens_per_step"] = ls.wide ? 2 * mds::kBlockN : mds::kBlockN;
+  d["tokens_per_step"] = ls.groups ? mds::GroupsConfig::kBN : mds::kBlockN;
   d["ctas_per_sm"] = ls.ctas;
   d["num_parts"] = ls.num_parts;
   return d;
@@ -401,33 +432,28 @@ at::Tensor read_stamps() {
   return at::tensor(host, at::TensorOptions().dtype(at::kLong)).view({ctas, mds::kStampSlots});
 }
 
-void set_tuning(int64_t stages, int64_t ctas_per_sm, int64_t max_m_tile, int64_t split_loaders, int64_t qk_narrow,
-                int64_t ws, int64_t pdl, int64_t qk_mbar, int64_t wide) {
-  // every check before any assignment: a rejected call leaves the tuning as it was
-  MLA_CHECK(stages == 0 || (stages >= mds::kMinStages && stages <= mds::kMaxStages), "set_tuning: stages must be 0 or in [",
-              mds::kMinStages, ", ", mds::kMaxStages, "]");
-  MLA_CHECK(ctas_per_sm >= 0 && ctas_per_sm <= 2, "set_tuning: ctas_per_sm must be 0, 1 or 2");
-  MLA_CHECK(max_m_tile == 0 || max_m_tile == 16 || max_m_tile == 32 || max_m_tile == 64, "set_tuning: max_m_tile must be 0, 16, 32 or 64");
-  MLA_CHECK(split_loaders >= -1 && split_loaders <= 1, "set_tuning: split_loaders must be -1 (auto), 0 or 1");
-  MLA_CHECK(qk_narrow >= -1 && qk_narrow <= 1, "set_tuning: qk_narrow must be -1 (auto), 0 or 1");
-  MLA_CHECK(ws >= -1 && ws <= 1, "set_tuning: ws must be -1 (auto), 0 or 1");
-  MLA_CHECK(pdl >= -1 && pdl <= 1, "set_tuning: pdl must be -1 (auto), 0 or 1");
-  MLA_CHECK(qk_mbar >= -1 && qk_mbar <= 1, "set_tuning: qk_mbar must be -1 (auto), 0 or 1");
-  MLA_CHECK(wide >= -1 && wide <= 3, "set_tuning: wide must be -1 (auto: the row-group kernel where it fits), 0 (the "
-              "32-token kernel), 1 (lockstep wide), 2 (lockstep wide without the split QK) or 3 (row groups)");
-  g_tune_stages = int(stages); g_tune_ctas = int(ctas_per_sm); g_tune_max_mtile = int(max_m_tile);
-  g_tune_split_loaders = int(split_loaders);
-  g_tune_qk_narrow = int(qk_narrow);
-  g_tune_ws = int(ws);
-  g_tune_pdl = int(pdl);
-  g_tune_qk_mbar = int(qk_mbar);
-  g_tune_wide = int(wide);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Weight-absorbed MLA decode (mma.sync / cp.async / ldmatrix; sm_80 and sm_90)";
+  py::class_<LaunchOptions>(m, "LaunchOptions",
+                            "launch options of decode_with_options / decode_schedule_with_options / launch_info "
+                            "(tests, benchmarks); the defaults are decode()'s automatic launch")
+      .def(py::init([](int stages, int ctas_per_sm, bool warp_specialized, bool groups, bool pdl) {
+             return LaunchOptions{stages, ctas_per_sm, warp_specialized, groups, pdl};
+           }),
+           py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("warp_specialized") = true,
+           py::arg("groups") = true, py::arg("pdl") = true)
+      .def_readwrite("stages", &LaunchOptions::stages)
+      .def_readwrite("ctas_per_sm", &LaunchOptions::ctas_per_sm)
+      .def_readwrite("warp_specialized", &LaunchOptions::warp_specialized)
+      .def_readwrite("groups", &LaunchOptions::groups)
+      .def_readwrite("pdl", &LaunchOptions::pdl)
+      .def("__repr__", [](const LaunchOptions& o) {
+        return "LaunchOptions(stages=" + std::to_string(o.stages) + ", ctas_per_sm=" + std::to_string(o.ctas_per_sm) +
+               ", warp_specialized=" + (o.warp_specialized ? "True" : "False") + ", groups=" +
+               (o.groups ? "True" : "False") + ", pdl=" + (o.pdl ? "True" : "False") + ")";
+      });
   m.def("decode", &decode,
         "decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, "
         "schedule=None); schedule: from decode_schedule(cache_seqlens, seqlen_q, num_heads) (skips the metadata kernel)",
@@ -438,22 +464,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_nope"), py::arg("q_pe"), py::arg("ckv_cache"), py::arg("kpe_cache"), py::arg("block_table"),
         py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("num_splits"), py::arg("schedule") = py::none());
+  m.def("decode_with_options", &decode_with_options,
+        "decode() (num_splits=0) or decode_splits() launched with these LaunchOptions (tests, benchmarks); schedule: "
+        "from decode_schedule_with_options with the same options and num_splits",
+        py::arg("q_nope"), py::arg("q_pe"), py::arg("ckv_cache"), py::arg("kpe_cache"), py::arg("block_table"),
+        py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("options"), py::arg("num_splits") = 0, py::arg("schedule") = py::none());
   m.def("decode_schedule", &decode_schedule,
         "decode_schedule(cache_seqlens, seqlen_q, num_heads, num_splits=0) -> int32 schedule for decode(..., schedule=) "
         "(num_splits > 0: for decode_splits with that num_splits); recompute whenever cache_seqlens changes",
         py::arg("cache_seqlens"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("num_splits") = 0);
+  m.def("decode_schedule_with_options", &decode_schedule_with_options,
+        "the schedule of decode_with_options(..., options, num_splits) (tests, benchmarks)",
+        py::arg("cache_seqlens"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("options"),
+        py::arg("num_splits") = 0);
   m.def("schedule_numel", &schedule_numel, "int32 elements of decode_schedule()'s result on CUDA device `device`",
         py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"), py::arg("num_splits") = 0);
   m.def("launch_info", &launch_info,
-        "launch_info(batch, seqlen_q, num_heads, device) -> dict: the main kernel a decode call of these shapes runs "
-        "(kernel, m_tile, num_mblocks, stages, tokens_per_step, ctas_per_sm, num_parts)",
-        py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"));
+        "launch_info(batch, seqlen_q, num_heads, device, options=LaunchOptions()) -> dict: the main kernel a decode "
+        "call of these shapes runs (kernel, m_tile, num_mblocks, stages, tokens_per_step, ctas_per_sm, num_parts)",
+        py::arg("batch"), py::arg("seqlen_q"), py::arg("num_heads"), py::arg("device"),
+        py::arg("options") = LaunchOptions{});
   m.def("read_stamps", &read_stamps,
         "read_stamps() -> int64 (CTAs, 8) per-CTA timer stamps of the last decode call (mla_decode_sm80_stamps.h: "
         "StampSlot order), or an empty tensor unless the module was built with -DMLA_DECODE_STAMPS "
         "(tools/decode_stamps.py)");
-  m.def("set_tuning", &set_tuning, "override the launch heuristics (0 = automatic); for benchmarks",
-        py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("max_m_tile") = 0, py::arg("split_loaders") = -1,
-        py::arg("qk_narrow") = -1, py::arg("ws") = -1, py::arg("pdl") = -1, py::arg("qk_mbar") = -1,
-        py::arg("wide") = -1);
+  // True only in a module built with -DMLA_DECODE_QK_MBAR (tools/sanitize_small.py --qk-mbar): the warp-specialized
+  // kernel's QK warps then sync on an mbarrier, which compute-sanitizer racecheck follows.
+  m.attr("qk_mbar") = py::bool_(mds::qk_mbar_build());
 }

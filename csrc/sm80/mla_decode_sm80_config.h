@@ -20,37 +20,24 @@ constexpr int kMaxStages = 5;              // cp.async stages (chosen at run tim
 constexpr int kPageRing = 2 * kMaxStages;  // tiles of page ids staged in smem ahead of the loads
 constexpr int kRowBytes = kDimQK * 2;      // 1152 B per smem row (Q and KV), 9 x 128 B, XOR-swizzled
 constexpr int kPStride = kBlockN + 8;      // P row stride (elements), padded: conflict-free ldmatrix
-constexpr float kRescaleLog2 = 8.f;        // wide kernel: the softmax reference max moves by more than this or not at all
+constexpr float kRescaleLog2 = 8.f;        // row-group kernel: the softmax reference max moves by more than this or not at all
 
-// Rows (token, head) per CTA: 16, 32 or 64 (M = Sq * H rounded up to 16, capped at 64); BN KV tokens per
-// step of the main loop (kBlockN, or 2 x kBlockN for the wide 64-row tile below).
-// NARROW (64-row tiles): four warps compute S (16 x 32 each, no cross-warp row-max exchange needed for
-// the columns) while the other four issue the next tiles' cp.async; otherwise all warps compute S.
-// Wide (64-row tiles, BN = 64): all eight warps compute S over two 32-token tiles at once (kWC = 2 column
-// groups of 32 tokens; the kernel's KSPLIT computes them as 32 x 32 tiles over half the contraction each, else
-// as the NARROW 16 x 32 warp tile); half the barriers per token and twice the warps in the QK phase, which the
-// NARROW layout spends with four warps idle. Two stages of 64
-// tokens (one step in flight) fit the H200's 227 KB beside Q; the page-id ring is 4 steps and the row-sum
-// exchange reuses the row-max buffer.
-template <int M_TILE, bool NARROW = false, int BN = kBlockN>
+// All-warps kernel (mla_decode_kernel): M_TILE rows (token, head) per CTA, 16, 32 or 64 (M = Sq * H rounded up
+// to 16, capped at 64), kBlockN KV tokens per step of the main loop.
+// 16/32-row tiles: the QK warp grid covers the tile with 16 x 8 (16 rows) or 16 x 32 (32 rows) warp tiles.
+// 64-row tiles: four warps compute S (16 x 32 each, no cross-warp row-max exchange needed for the columns)
+// while the other four issue the next tiles' cp.async.
+template <int M_TILE>
 struct TileConfig {
   static_assert(M_TILE == 16 || M_TILE == 32 || M_TILE == 64, "M_TILE must be 16, 32 or 64");
-  static_assert(BN == kBlockN || (BN == 2 * kBlockN && M_TILE == 64 && !NARROW), "BN = 64 only for the wide 64-row tile");
-  static constexpr bool kWide = BN != kBlockN;
   static constexpr int kMTiles = M_TILE / 16;                       // 16-row mma tiles in the PV phase
   static constexpr int kWR = M_TILE / 16;                           // QK warp grid: rows
-  static constexpr int kWC = NARROW ? 1 : ((kWarps / kWR) < (BN / 8) ? (kWarps / kWR) : (BN / 8));  // QK warp grid: cols
-  static constexpr int kQKWarps = kWR * kWC;                        // warps that compute S (the rest wait)
-  static constexpr int kQKCols = BN / kWC;                          // tokens per QK warp
+  static constexpr int kWC = M_TILE == 64 ? 1 : ((kWarps / kWR) < (kBlockN / 8) ? (kWarps / kWR) : (kBlockN / 8));  // cols
+  static constexpr int kQKWarps = kWR * kWC;                        // warps that compute S (the rest load or wait)
+  static constexpr int kQKCols = kBlockN / kWC;                     // tokens per QK warp
   static constexpr int kQKNTiles = kQKCols / 8;
   static constexpr int kPVCols = kDimCkv / kWarps;                  // 64 output dims per warp
   static constexpr int kPVNTiles = kPVCols / 8;
-  static constexpr int kPStride = BN + 8;                           // P row stride (elements): conflict-free ldmatrix
-  // Tiles of page ids in the smem ring: at least 2 * stages (the loads run 2 * stages - 2 tiles ahead).
-  static constexpr int kRing = kWide ? 4 : kPageRing;
-  static constexpr int kMaxStagesT = kRing / 2;
-  static constexpr int kRedBufs = kWide ? 1 : 2;                    // row max and row sum: own buffers, or one
-  static constexpr int kFixedStages = kWide ? kMaxStagesT : 0;      // > 0: stages known at compile time
   // Register budget: up to 64 rows x 64 fp32 accumulators per warp need one CTA per SM; 16/32-row tiles
   // are compiled for two co-resident CTAs (<= 128 registers) so one CTA's barriers hide behind the other.
   static constexpr int kMinBlocks = M_TILE <= 32 ? 2 : 1;
@@ -58,29 +45,34 @@ struct TileConfig {
 
   static constexpr int smem_bytes(int stages) {
     return M_TILE * kRowBytes                 // Q
-         + stages * BN * kRowBytes            // KV stages
+         + stages * kBlockN * kRowBytes       // KV stages
          + M_TILE * kPStride * 2              // P (bf16/fp16)
-         + kRedBufs * kWC * M_TILE * 4        // row max / row sum exchange
-         + kRing * BN * 4;                    // page-id ring
+         + 2 * kWC * M_TILE * 4               // row max and row sum exchange
+         + kPageRing * kBlockN * 4;           // page-id ring
   }
 };
 
-// Wide 64-row tile with two decoupled row groups (mla_decode_groups_kernel, set_tuning wide=3): group r (warps
-// 4r..4r+3) owns rows [32 r, 32 r + 32) through QK, softmax and PV; the wide kernel's smem plus four mbarriers.
+// Row-group kernel for 64-row tiles (mla_decode_groups_kernel): 64 KV tokens per step, two stages; group r (warps
+// 4r..4r+3) owns rows [32 r, 32 r + 32) through QK, softmax and PV. Its QK warps compute S as 32 x 32 tiles over
+// half of the contraction each (two column halves of 32 tokens, whose row maxima and sums meet in smem).
 struct GroupsConfig {
-  using Base = TileConfig<64, false, 2 * kBlockN>;  // smem layout of the wide kernel (Q, stages, P, row max, ring)
   static constexpr int kBN = 2 * kBlockN;            // 64 KV tokens per step
   static constexpr int kStages = 2;
-  static constexpr int kRing = Base::kRing;          // page ids of 4 tiles
+  static constexpr int kRing = 4;                    // page ids of 4 steps (staged two steps ahead of the loads)
   static constexpr int kGroupWarps = kWarps / 2;     // 4
   static constexpr int kGroupThreads = kGroupWarps * 32;
   static constexpr int kGroupRows = 32;
   static constexpr int kMT = kGroupRows / 16;        // 16-row mma tiles per group in PV
   static constexpr int kPVCols = kDimCkv / kGroupWarps;  // 128 output dims per warp
   static constexpr int kPVN = kPVCols / 8;
-  static constexpr int kPStride = Base::kPStride;
-  static constexpr int smem_bytes() { return Base::smem_bytes(kStages) + 4 * 8; }  // + full[2], empty[2]
-  static_assert(Base::smem_bytes(kStages) % 8 == 0, "mbarriers need 8-byte alignment");
+  static constexpr int kPStride = kBN + 8;           // P row stride (elements), padded: conflict-free ldmatrix
+  static constexpr int kBarOffset = 64 * kRowBytes   // Q
+                                  + kStages * kBN * kRowBytes  // KV stages
+                                  + 64 * kPStride * 2          // P
+                                  + 2 * 64 * 4                 // row max, then row sum, of the two column halves
+                                  + kRing * kBN * 4;           // page-id ring
+  static constexpr int smem_bytes() { return kBarOffset + 4 * 8; }  // + mbarriers full[2], empty[2]
+  static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
   static_assert(kGroupRows * kPStride * 2 >= 2 * 4 * 32 * 16, "a group's P rows hold its two QK exchange slots");
 };
 

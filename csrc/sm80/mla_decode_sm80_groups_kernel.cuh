@@ -1,10 +1,8 @@
-// Wide 64-row MLA decode with two decoupled row groups (set_tuning wide=3), SM80 style (mma.sync m16n8k16,
-// cp.async, ldmatrix, XOR-swizzled smem); built for sm_80 and sm_90, launched where its smem fits (sm_90).
+// 64-row MLA decode, 64 KV tokens per step, with two decoupled row groups (GroupsConfig), SM80 style (mma.sync
+// m16n8k16, cp.async, ldmatrix, XOR-swizzled smem); built for sm_80 and sm_90, launched where its smem fits (sm_90).
 //
-// The wide kernel (mla_decode_kernel, TileConfig<64, false, 64>) runs its eight warps in lockstep through QK,
-// softmax and PV with three CTA-wide barriers per 64-token step. Its split-contraction QK already keeps rows 0-31
-// in warps 0-3 and rows 32-63 in warps 4-7; here PV follows the same split, so the two 4-warp groups share nothing
-// but the KV stages:
+// The split-contraction QK keeps rows 0-31 in warps 0-3 and rows 32-63 in warps 4-7; PV follows the same split,
+// so the two 4-warp groups share nothing but the KV stages:
 //   - group r (warps 4r..4r+3) owns rows [32 r, 32 r + 32): S by split contraction (qk_split_32x32), its row
 //     maxima, P, and O = P V for those rows, each warp 128 of the 512 output dims (fp32 O: 32 x 128 per warp,
 //     the same 128 registers as 64 x 64);
@@ -13,9 +11,9 @@
 //     arrive after their PV of the tile). Group 1 issues every load, after its own PV of the stage's previous
 //     tile, so group 0 runs ahead;
 //   - within a group, named barriers (128 threads) replace __syncthreads.
-// Measured on the H200 (docs/kernels/mla_decode_sm80.md): the decoupling alone was no faster than the
-// lockstep kernel; the gain (266 -> 295 TF/s at 128 heads) came with ldmatrix addresses from per-lane offsets
-// (qk_split_32x32 and the PV loop below), which this layout turned into a 5-8% win against 1% in the lockstep one.
+// Measured on the H200 (docs/kernels/mla_decode_sm80.md): the decoupling alone was no faster than running all
+// eight warps in lockstep with CTA-wide barriers; the gain (266 -> 295 TF/s at 128 heads) came with ldmatrix
+// addresses from per-lane offsets (qk_split_32x32 and the PV loop below), a 5-8% win in this layout.
 // Pipeline: two stages of 64 tokens (the H200's 227 KB: Q 72 KB + 2 x 72 KB + P + page ids + 4 mbarriers).
 // Tile i lives in stage i % 2; group 1 issues tile i + 1 at the top of its step i, once group 0 has finished
 // tile i - 1 (empty) and tile i has landed (full: it also carries tile i + 1's page ids, staged two tiles ahead).
@@ -168,8 +166,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
     moves = group_bar_sync_or(group_bar, moves);
 
     // ---- reference max of the group's rows (identical on the group's threads); conditional rescale: the
-    // reference moves only when a row max grows by more than kRescaleLog2 (see mla_decode_kernel), so on most steps
-    // no row moves and the row maxima are not even read ----
+    // reference moves only when a row max grows by more than kRescaleLog2 (P <= 2^8 otherwise; FlashAttention-4's
+    // conditional rescale; -inf + 8 = -inf, so a first finite max always moves it), so on most steps no row moves,
+    // O is left alone and the row maxima are not even read. The LSE is taken from the reference: the same math ----
     float alpha[MT][2];
     float qk_alpha[2] = {1.f, 1.f}, qk_muse[2];
 #pragma unroll

@@ -2,15 +2,13 @@
 // (transposed for V), XOR-swizzled shared memory. Built for sm_80 and sm_90.
 //
 // One CTA = (m-block of M_TILE rows (token, head), work item = (request, KV range)). 8 warps:
-//   - all 256 threads issue the 16-byte cp.async loads of the KV stages (page ids staged in smem ahead);
+//   - the warps that sit out the QK phase (16- and 64-row tiles), else all 256 threads, issue the 16-byte
+//     cp.async loads of the KV stages (page ids staged in smem ahead);
 //   - kQKWarps warps compute S = Q K^T (16 x kQKCols each, 576 deep), exchange row maxima through smem,
 //     do the online softmax of their rows and write P (16-bit) to smem;
 //   - all 8 warps do O += P V, each on 64 of the 512 output dims (fp32 accumulators M_TILE x 64 per warp).
-// The wide variant (BN = 64 KV tokens per step, 64-row tiles, TileConfig in the config header) has all eight
-// warps compute S, with KSPLIT as 32 x 32 tiles over half of the 576 dims each (halves traded through the P
-// buffer), a per-row loader and a conditional O rescale; the rest of the step is the same code. Where its smem
-// fits (sm_90) the 64-row default is the row-group kernel (mla_decode_sm80_groups_kernel.cuh), built from the helpers here;
-// the wide variant stays selectable (set_tuning wide=1/2).
+// Where its smem fits (sm_90) 64-row tiles run the row-group kernel (mla_decode_sm80_groups_kernel.cuh) instead,
+// built from the helpers here (per-row loader, split-contraction QK, P store, epilogue).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -274,7 +272,7 @@ __device__ __forceinline__ void qk_row_limits(const DecodeParams& p, int grow0, 
   }
 }
 
-// Per-row KV loader of the 64-token kernels: NLW loader warps (warp lw of them, all 32 lanes) copy one step of BN
+// Per-row KV loader of the 64-token row-group kernel: NLW loader warps (warp lw of them, all 32 lanes) copy one step of BN
 // token rows into a stage. Warp lw takes rows lw + NLW k, each as two 512-byte ckv halves (one warp instruction
 // each); the kpe rows go 8 lanes per row, rows lt / 8 + 4 NLW k (lt = 32 lw + lane). A row's swizzled column depends
 // only on row % 8: for the ckv rows one of 8 / NLW per-lane constants (k % (8 / NLW)), for the kpe rows one. A row
@@ -429,7 +427,7 @@ __device__ __forceinline__ void scale_mask_rowmax(const float (&sacc)[QKN][4], f
   }
 }
 
-// S of a wide step by split contraction: warp (rh, kh, wc) computes rows [32 rh, 32 rh + 32) x tokens
+// S of a 64-token step by split contraction: warp (rh, kh, wc) computes rows [32 rh, 32 rh + 32) x tokens
 // [32 wc, 32 wc + 32) over half of the 576 dims (every other 16-dim k-step): a 32 x 32 warp tile reads Q and K
 // fragments half as often per mma as 16 x 32 (4 ldmatrix per 8 mma instead of 6), which is what bounds the QK
 // phase (ncu: mma waiting on ldmatrix). The partner warp (other kh) then trades halves through `slot` (2 KB, 16-byte aligned, free from
@@ -501,10 +499,11 @@ __device__ __forceinline__ void qk_split_32x32(uint32_t sQ_a, uint32_t kv_a, flo
   }
 }
 
-template <typename Elem, int M_TILE, bool NARROW, int BN, bool KSPLIT>
+template <typename Elem, int M_TILE>
 __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_decode_kernel(const DecodeParams p) {
-  using Cfg = TileConfig<M_TILE, NARROW, BN>;
-  constexpr int kRing = Cfg::kRing;
+  using Cfg = TileConfig<M_TILE>;
+  constexpr int BN = kBlockN;
+  constexpr int kRing = kPageRing;
   constexpr int MT = Cfg::kMTiles;
   constexpr int WC = Cfg::kWC;
   constexpr int QKN = Cfg::kQKNTiles;
@@ -517,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;  // steps of BN tokens
   const int L = p.seqlens[b];
-  const int stages = Cfg::kFixedStages > 0 ? Cfg::kFixedStages : p.stages;  // compile time: tile % stages is a mask
+  const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
 
@@ -525,11 +524,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   uint8_t* sQ = smem;
   uint8_t* sKV = sQ + M_TILE * kRowBytes;
   uint8_t* sP = sKV + stages * BN * kRowBytes;
-  float* sRedMax = reinterpret_cast<float*>(sP + M_TILE * Cfg::kPStride * 2);
-  // One buffer (wide tile): the row sums are exchanged after the loop, whose last reads of the row maxima
-  // precede its last barrier.
-  float* sRedSum = sRedMax + (Cfg::kRedBufs - 1) * WC * M_TILE;
-  int* sPage = reinterpret_cast<int*>(sRedMax + Cfg::kRedBufs * WC * M_TILE);
+  float* sRedMax = reinterpret_cast<float*>(sP + M_TILE * kPStride * 2);
+  float* sRedSum = sRedMax + WC * M_TILE;
+  int* sPage = reinterpret_cast<int*>(sRedMax + 2 * WC * M_TILE);
   const uint32_t sQ_a = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
   const uint32_t sKV_a = static_cast<uint32_t>(__cvta_generic_to_shared(sKV));
   const uint32_t sP_a = static_cast<uint32_t>(__cvta_generic_to_shared(sP));
@@ -553,8 +550,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   __syncthreads();  // page ids of the first tiles visible
 
   // ---- KV tile loader: 64 ckv chunks + 8 kpe chunks per token row. NL loader threads (lt = 0..NL-1):
-  // all 256 threads, or (split_loaders, when some warps sit out the QK phase) only the warps that do not
-  // compute S, so that a stalled cp.async issue overlaps the QK phase instead of delaying it. ----
+  // when some warps sit out the QK phase, only those, so that a stalled cp.async issue overlaps the QK phase
+  // instead of delaying it; else all 256 threads. ----
   auto load_kv_n = [&](auto nl_const, int tile, int lt) {
     constexpr int NL = decltype(nl_const)::value;
     static_assert(NL % 64 == 0 && (BN * 64) % NL == 0, "loader thread count");
@@ -583,25 +580,13 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       }
     }
   };
-  // Wide tile: all eight warps load the step's 64 rows (RowLoader), on every warp's way into its QK work.
-  const RowLoader<Elem, kWarps, BN> row_loader(ckv, kpe, warp, lane);
-  auto load_kv_wide = [&](int tile) {
-    row_loader.load(p, sKV_a + (tile % stages) * (BN * kRowBytes), sPage + (tile % kRing) * BN, kv_begin + tile * BN, kv_end);
-  };
   constexpr int kIdleThreads = (kWarps - Cfg::kQKWarps) * 32;
-  const bool split_loaders = kIdleThreads >= 64 && p.split_loaders;
   auto load_kv = [&](int tile) {
-    if constexpr (Cfg::kWide) {
-      load_kv_wide(tile);
-      return;
+    if constexpr (kIdleThreads >= 64) {
+      if (warp >= Cfg::kQKWarps) load_kv_n(std::integral_constant<int, kIdleThreads>{}, tile, tid - Cfg::kQKWarps * 32);
+    } else {
+      load_kv_n(std::integral_constant<int, kThreads>{}, tile, tid);
     }
-    if constexpr (kIdleThreads >= 64 && (BN * 64) % (kIdleThreads > 0 ? kIdleThreads : 64) == 0) {
-      if (split_loaders) {
-        if (warp >= Cfg::kQKWarps) load_kv_n(std::integral_constant<int, kIdleThreads>{}, tile, tid - Cfg::kQKWarps * 32);
-        return;
-      }
-    }
-    load_kv_n(std::integral_constant<int, kThreads>{}, tile, tid);
   };
 
   auto load_pages = [&](int tile) { load_page_ids_async<BN, kRing>(p, w, sPage_a, tile, tid); };
@@ -642,13 +627,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     float s[QKN][4];
     if (qk_warp) {
       float sacc[QKN][4];  // this warp's 16 rows x kQKCols tokens of S (unscaled)
-      if constexpr (Cfg::kWide && KSPLIT) {
-        // warp (rh, kh, wc) = (warp >> 2, (warp >> 1) & 1, warp & 1); the pair's slot: 2 KB of the free P buffer
-        static_assert(QKN == 4 && Cfg::kQKCols == 32 && WC == 2, "wide tile layout");
-        const int pair = (warp >> 2) * 2 + wc;
-        qk_split_32x32<Elem>(sQ_a, kv_a, reinterpret_cast<float4*>(sP + pair * (QKN * 32 * 16)), 1 + pair, warp >> 2,
-                             (warp >> 1) & 1, wc, lane, sacc);
-      } else {
+      {
         constexpr int NACC = Cfg::kQKAcc;
         float acc[QKN][NACC][4];
         zero_frags(acc);
@@ -685,7 +664,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
           }
       }
       float mx[2];
-      scale_mask_rowmax<QKN, Cfg::kWide>(sacc, s, mx, tok0 + wc * Cfg::kQKCols, qk_lim, q4, p.scale_log2);
+      scale_mask_rowmax<QKN, false>(sacc, s, mx, tok0 + wc * Cfg::kQKCols, qk_lim, q4, p.scale_log2);
       if (q4 == 0) {
         sRedMax[wc * M_TILE + wr * 16 + g] = mx[0];
         sRedMax[wc * M_TILE + wr * 16 + g + 8] = mx[1];
@@ -704,16 +683,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         float mx = m_run[mt][hh];
 #pragma unroll
         for (int c = 0; c < WC; ++c) mx = fmaxf(mx, sRedMax[c * M_TILE + row]);
-        bool keep = false;
-        if constexpr (Cfg::kWide) {
-          // The exponent reference moves only when the row max grows by more than kRescaleLog2 (P <= 2^8
-          // otherwise; FlashAttention-4's conditional rescale): most steps then leave O alone. The LSE is taken
-          // from the reference, so the result is the same math.
-          keep = !(mx > m_run[mt][hh] + kRescaleLog2);  // -inf + 8 = -inf: a first finite max always moves it
-          if (keep) mx = m_run[mt][hh];
-        }
         const float mu = (mx == -INFINITY) ? 0.f : mx;
-        alpha[mt][hh] = keep ? 1.f : fast_exp2(m_run[mt][hh] - mu);  // exp2(-inf) = 0
+        alpha[mt][hh] = fast_exp2(m_run[mt][hh] - mu);  // exp2(-inf) = 0
         m_use[mt][hh] = mu;
         m_run[mt][hh] = mx;
         if (mt == wr) { qk_alpha[hh] = alpha[mt][hh]; qk_muse[hh] = mu; }
@@ -722,24 +693,17 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
     // ---- P = exp2(S - m), row sums, P to smem ----
     if (qk_warp)
-      store_p_rowsum<Elem, QKN, Cfg::kPStride>(s, qk_muse, qk_alpha, sP, wr * 16 + g, wc * Cfg::kQKCols, q4, l_part);
+      store_p_rowsum<Elem, QKN, kPStride>(s, qk_muse, qk_alpha, sP, wr * 16 + g, wc * Cfg::kQKCols, q4, l_part);
     __syncthreads();  // B3: P visible
 
     // ---- O = O * alpha + P V (each warp: all M_TILE rows x 64 dims) ----
-    bool rescale = true;
-    if constexpr (Cfg::kWide) {  // a warp's lanes hold all M_TILE rows: skip when none of them moved
-      bool moved = false;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) moved |= (alpha[mt][0] != 1.f) | (alpha[mt][1] != 1.f);
-      rescale = __any_sync(0xffffffffu, moved);
-    }
-    if (rescale) rescale_o(o, alpha);
+    rescale_o(o, alpha);
 #pragma unroll (M_TILE == 32 ? 1 : 2)
     for (int ks = 0; ks < BN / 16; ++ks) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4(sP_a + ((mt * 16 + (lane & 15)) * Cfg::kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
+        ldsm_x4(sP_a + ((mt * 16 + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8) * 2, a[mt]);
 #pragma unroll
       for (int np = 0; np < PVN / 2; ++np) {
         uint32_t bb[4];
@@ -788,10 +752,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 
 namespace mla_decode_sm80 {
 
-template <typename Elem, int M_TILE, bool NARROW, int BN = kBlockN, bool KSPLIT = false>
+template <typename Elem, int M_TILE>
 void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_kernel<Elem, M_TILE, NARROW, BN, KSPLIT>, TileConfig<M_TILE, NARROW, BN>::smem_bytes(p.stages),
-                     stream, p);
+  launch_main_kernel(mla_decode_kernel<Elem, M_TILE>, TileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80

@@ -157,6 +157,16 @@ unsigned long long* stamps_for_launch(long long, cudaStream_t) { return nullptr;
 unsigned long long* stamps_last(long long* ctas) { *ctas = 0; return nullptr; }
 #endif
 
+// Whether this module was built with -DMLA_DECODE_QK_MBAR (mla_decode_sm80_ws_kernel.cuh: the warp-specialized
+// kernel's QK warps sync on an mbarrier, for compute-sanitizer racecheck).
+bool qk_mbar_build() {
+#if defined(MLA_DECODE_QK_MBAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
 void launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream);
 void launch_decode_fp16(const DecodeParams& p, int m_tile, cudaStream_t stream);
 
@@ -184,14 +194,6 @@ static int most_stages_that_fit(int min_stages, int smem_optin, Bytes bytes) {
 
 int max_stages_for(int m_tile, int smem_optin) {
   return most_stages_that_fit(kMinStages, smem_optin, [&](int s) { return smem_bytes_for(m_tile, s); });
-}
-
-int wide_stages_for(int smem_optin) {
-  using Cfg = TileConfig<64, false, 2 * kBlockN>;
-  int best = 0;
-  for (int st = kMinStages; st <= Cfg::kMaxStagesT; ++st)
-    if (Cfg::smem_bytes(st) <= smem_optin) best = st;
-  return best;
 }
 
 int ws_max_stages_for(int m_tile, int smem_optin) {

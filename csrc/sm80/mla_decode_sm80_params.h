@@ -43,19 +43,11 @@ struct DecodeParams {
   int page_size, log2_page;
   int num_mblocks;   // ceil(Sq*H / M_TILE)
   int stages;        // cp.async stages (run time, 2..kMaxStages)
-  int qk_narrow;     // 1: 64-row tiles use the 4-warp QK layout (TileConfig<64, true>)
-  int split_loaders; // 1: only the warps idle during QK issue the KV cp.async (16-row tiles)
   int ws;            // 1: the warp-specialized kernel (WsTileConfig; 16/32-row tiles, one CTA per SM)
+  int groups;        // 1: 64-row tiles run the row-group kernel (GroupsConfig), 0: the all-warps one (TileConfig<64>)
   int pdl;           // 1: main and merge kernels launched as programmatic dependents (sm_90+; launch.h)
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
-  // Host-side launch choice, last so that the fields the kernels read keep their offsets: the warp-specialized
-  // kernel's QK warps sync on an mbarrier (1; its kQkMbar instantiation) or on named barrier 1 (0).
-  int qk_mbar;
-  // Host-side launch choice: 64-row tiles run the wide all-warps kernel (TileConfig<64, false, 64>: 64 KV tokens
-  // per step, all eight warps compute S) with its QK warps splitting the contraction (1) or not (2), the
-  // row-group kernel (3: GroupsConfig, mla_decode_groups_kernel), or the 32-token kernel of qk_narrow (0).
-  int wide;
   // 1: no schedule was given and B <= kInlineScheduleMaxBatch: each main-kernel CTA derives its item from the
   // lengths (work_item) and no metadata kernel runs; the merge kernel derives the split counts the same way.
   // Neither sched_items nor sched_reqs is then read or written.
@@ -71,6 +63,6 @@ void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream
 int max_stages_for(int m_tile, int smem_optin);
 int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);
-int wide_stages_for(int smem_optin);  // stages of the wide 64-row kernel that fit (0: it does not fit)
+bool qk_mbar_build();  // the warp-specialized kernel's QK warps sync on an mbarrier (-DMLA_DECODE_QK_MBAR)
 
 }  // namespace mla_decode_sm80

@@ -17,9 +17,9 @@
 // compute-sanitizer racecheck reports 2-3 hazards between the QK warps' stores before kBarPFull / kBarFinal and
 // the PV warps' loads after them whenever the QK warps also sync among themselves on a second named barrier
 // (kBarQK); tools/racecheck_probe.cu reproduces that on a minimal, ordered hand-off (mode 5). With that
-// sync on an mbarrier instead (p.qk_mbar, set_tuning qk_mbar=1; mode 6 of the probe) racecheck follows the
-// hand-offs and reports 0 hazards, with the same results bit for bit. The default stays the named barrier:
-// the mbarrier wait cost 3% at H=16, B=128 on the H200.
+// sync on an mbarrier instead (a module built with -DMLA_DECODE_QK_MBAR: tools/sanitize_small.py --qk-mbar; mode 6
+// of the probe) racecheck follows the hand-offs and reports 0 hazards, with the same results bit for bit. The
+// normal build keeps the named barrier: the mbarrier wait cost 3% at H=16, B=128 on the H200.
 // Pipeline: S stages; after the hand-off of tile j the QK warps issue tile j+S-1 into the stage PV(j-1)
 // released, so S-1 tiles are in flight beside the one being computed. Page ids are staged in a smem ring
 // D = 2S-2 tiles ahead, fetched in the same commit groups (see the proof of distances in load order below).
@@ -54,9 +54,15 @@ enum WsBarrier : int {
   kBarFinal = 3,     // all 256: 1/l of every row written
 };
 
-// kQkMbar: the QK warps' own sync on an mbarrier (p.qk_mbar) instead of named barrier 1. A template
-// parameter, so the default kernel's code is exactly the one measured without the option.
-template <typename Elem, int M_TILE, bool kQkMbar>
+// The QK warps' own sync: on an mbarrier in a module built with -DMLA_DECODE_QK_MBAR (for compute-sanitizer
+// racecheck, see above), else on named barrier 1.
+#if defined(MLA_DECODE_QK_MBAR)
+constexpr bool kQkMbar = true;
+#else
+constexpr bool kQkMbar = false;
+#endif
+
+template <typename Elem, int M_TILE>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const DecodeParams p) {
   using Cfg = WsTileConfig<M_TILE>;
   constexpr int MT = Cfg::kMTiles, KS = Cfg::kKSteps, TPR = Cfg::kTPR, EPT = Cfg::kEPT, PVN = Cfg::kPVNTiles;
@@ -375,29 +381,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 
 template <typename Elem, int M_TILE>
 void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = p.qk_mbar ? mla_decode_ws_kernel<Elem, M_TILE, true> : mla_decode_ws_kernel<Elem, M_TILE, false>;
-  launch_main_kernel(kernel, WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
+  launch_main_kernel(mla_decode_ws_kernel<Elem, M_TILE>, WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80
 
 namespace mla_decode_sm80 {
 
-// Every variant of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the all-warps kernel
-// for 16/32-row tiles, and for 64-row tiles the row-group kernel (wide = 3), the wide kernel (1: split
-// contraction, 2: not), the NARROW 32-token kernel or the 8-QK-warp one.
+// Every main kernel of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the all-warps
+// kernel for 16/32-row tiles, and for 64-row tiles the row-group kernel (p.groups) or the all-warps one.
 template <typename Elem>
 void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
   if (p.ws) {
     if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
     else launch_decode_ws_tile<Elem, 32>(p, stream);
-  } else if (m_tile == 16) launch_decode_tile<Elem, 16, false>(p, stream);
-  else if (m_tile == 32) launch_decode_tile<Elem, 32, false>(p, stream);
-  else if (p.wide == 3) launch_decode_groups<Elem>(p, stream);
-  else if (p.wide == 1) launch_decode_tile<Elem, 64, false, 2 * kBlockN, true>(p, stream);
-  else if (p.wide == 2) launch_decode_tile<Elem, 64, false, 2 * kBlockN, false>(p, stream);
-  else if (p.qk_narrow) launch_decode_tile<Elem, 64, true>(p, stream);
-  else launch_decode_tile<Elem, 64, false>(p, stream);
+  } else if (m_tile == 16) launch_decode_tile<Elem, 16>(p, stream);
+  else if (m_tile == 32) launch_decode_tile<Elem, 32>(p, stream);
+  else if (p.groups) launch_decode_groups<Elem>(p, stream);
+  else launch_decode_tile<Elem, 64>(p, stream);
 }
 
 }  // namespace mla_decode_sm80

@@ -143,11 +143,15 @@ def _replay_and_check(graph, lens_list, q_nope, q_pe, ckv, kpe, table, seqlens, 
         _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, new_lens, out, lse, True, tag=str(new_lens))
 
 
-def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0):
+def _run_case(ext, *, lens, H, Sq, page_size, dtype, fused, causal, splits=0, seed=0, options=None):
+    """One checked call: decode / decode_splits, or with `options` (LaunchOptions keywords) decode_with_options."""
     torch.manual_seed(seed)
     ckv, kpe, table = _paged_cache(lens, page_size, dtype, fused, seed)
     q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, dtype)
-    if splits:
+    if options is not None:
+        ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal,
+                                ext.LaunchOptions(**options), splits)
+    elif splits:
         ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal, splits)
     else:
         ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)
@@ -224,73 +228,95 @@ def test_decode_merge_mixed_split_and_whole_requests(ext, B):
     _run_case(ext, lens=lens, H=16, Sq=1, page_size=64, dtype=torch.bfloat16, fused=True, causal=False, seed=29)
 
 
-@pytest.mark.parametrize("tune", [(0, 1, 0, 1, 1, 0), (2, 1, 0, 0, 0, 0), (0, 2, 32, 0, 0, 0), (0, 1, 16, 1, 0, 0),
-                                  (3, 1, 0, 0, 1, 0), (3, 0, 0, -1, -1, 1), (4, 0, 32, -1, -1, 1), (0, 0, 16, -1, -1, 1),
-                                  (4, 0, 0, -1, -1, 1), (0, 0, 0, -1, -1, -1, 0), (0, 1, 0, 1, 1, 0, 0),
-                                  (0, 0, 0, -1, -1, -1, -1, 1), (3, 0, 32, -1, -1, 1, 0, 1),
-                                  (0, 0, 0, -1, -1, -1, -1, -1, 0), (0, 0, 0, -1, 1, -1, 0, -1, 1),
-                                  (0, 0, 0, -1, -1, -1, 0, -1, 3)],
-                         ids=str)
-def test_decode_launch_variants(ext, tune):
-    # alternative launch configurations: (stages, CTAs per SM, largest m-tile, split loaders, 4-warp QK for 64 rows,
-    # warp-specialized kernel for 16/32-row tiles[, programmatic dependent launch[, its QK warps' sync on an
-    # mbarrier[, the wide 64-row kernel]]]); the m-tile caps put the warp-specialized kernel on 128 heads too. An
-    # explicit qk_narrow or stages selects the 32-token 64-row kernels unless wide=1.
-    ext.set_tuning(*tune)
-    try:
-        for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
-            _run_case(ext, lens=[4097, 0, 17, 1000, 1], H=H, Sq=Sq, page_size=16, dtype=torch.bfloat16, fused=True,
-                      causal=causal, seed=H + Sq)
-    finally:
-        ext.set_tuning(0, 0, 0, -1, -1, -1)
+# Launch options that make, on the GPU at hand, the choices the automatic launch makes elsewhere: the all-warps
+# 16/32-row kernel (8.6/8.9, or caches with strides beyond 32 bits) at two CTAs per SM or one with the most stages
+# or fewer (8.0/8.7: 3, 8.6/8.9: 2); the warp-specialized kernel with 3 or 4 stages (8.0/8.7); the 32-token 64-row
+# kernel (8.0/8.7: 2 stages); plain launches without PDL (sm_80); and all of sm_80's at once.
+LAUNCH_VARIANTS = {
+    "all_warps_2cta": dict(warp_specialized=False),
+    "all_warps_1cta": dict(warp_specialized=False, ctas_per_sm=1),
+    "all_warps_1cta_3stages": dict(warp_specialized=False, ctas_per_sm=1, stages=3),
+    "all_warps_1cta_2stages_no_pdl": dict(warp_specialized=False, ctas_per_sm=1, stages=2, pdl=False),
+    "ws_3stages": dict(stages=3),
+    "ws_4stages": dict(stages=4),
+    "narrow": dict(groups=False),
+    "narrow_2stages": dict(groups=False, stages=2),
+    "no_pdl": dict(pdl=False),
+    "sm80_like": dict(stages=2, groups=False, pdl=False),
+}
 
 
-@pytest.mark.parametrize("wide", [3, 1, 2, 0], ids=["wide_groups", "wide", "wide_unsplit", "narrow"])
+@pytest.mark.parametrize("name", list(LAUNCH_VARIANTS))
+def test_decode_launch_variants(ext, name):
+    options = LAUNCH_VARIANTS[name]
+    for H, Sq, causal in [(16, 1, False), (128, 2, True), (8, 4, True)]:
+        _run_case(ext, lens=[4097, 0, 17, 1000, 1], H=H, Sq=Sq, page_size=16, dtype=torch.bfloat16, fused=True,
+                  causal=causal, seed=H + Sq, options=options)
+
+
+def test_launch_options_defaults_are_the_automatic_launch(ext):
+    # LaunchOptions() is decode()'s launch: the same launch_info, and decode_with_options gives the same bits
+    dev = torch.cuda.current_device()
+    auto = ext.LaunchOptions()
+    for B, Sq, H in [(4, 1, 16), (4, 2, 16), (3, 1, 128), (2, 4, 8)]:
+        assert ext.launch_info(B, Sq, H, dev, auto) == ext.launch_info(B, Sq, H, dev), (B, Sq, H)
+        lens = [1000, 0, 4097, 17][:B]
+        ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, B + H)
+        q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+        out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+        ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, auto)
+        torch.cuda.synchronize()
+        _same_bits(out2, out, f"out B={B} Sq={Sq} H={H}")
+        _same_bits(lse2, lse, f"lse B={B} Sq={Sq} H={H}")
+    opts = ext.LaunchOptions(stages=3, warp_specialized=False)
+    assert (opts.stages, opts.ctas_per_sm, opts.warp_specialized, opts.groups, opts.pdl) == (3, 0, False, True, True)
+    info = ext.launch_info(4, 1, 16, dev, opts)
+    assert info["kernel"] == "all_warps" and info["stages"] <= 3, info
+
+
+def test_launch_options_rejected_before_anything_runs(ext):
+    lens, H, Sq = [100, 9], 16, 1
+    ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, 2)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+    dev = torch.cuda.current_device()
+    for opts, match in ((ext.LaunchOptions(stages=1), "options.stages must be"),
+                        (ext.LaunchOptions(stages=9), "options.stages must be"),
+                        (ext.LaunchOptions(ctas_per_sm=3), "options.ctas_per_sm must be")):
+        with pytest.raises(RuntimeError, match=match):
+            ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, opts)
+        with pytest.raises(RuntimeError, match=match):
+            ext.decode_schedule_with_options(seqlens, Sq, H, opts)
+        with pytest.raises(RuntimeError, match=match):
+            ext.launch_info(2, Sq, H, dev, opts)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all(), "a rejected call wrote its outputs"
+
+
+@pytest.mark.parametrize("groups", [True, False], ids=["wide_groups", "narrow"])
 @pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
                                                    (32, 4, True, 256), (128, 8, True, 64)])
-def test_decode_wide_tile(ext, wide, H, Sq, causal, page_size):
-    # 64-row tiles, 64 KV tokens per step: the row-group kernel (3, automatic where it fits: two 4-warp groups of
-    # 32 rows that meet only at the KV stages' mbarriers), the lockstep wide kernel (1: 32 x 32 QK warp tiles over
-    # half the contraction each, 2: 16 x 32 over all of it) and the 32-token NARROW kernel, on the same cases:
-    # lengths that end mid-step (17, 1000, 4097: odd numbers of 32-token tiles, so the last step's second half
-    # lies past the end and is zero-filled), empty requests, padding rows (24 x 3 = 72 rows), and splits (4097
-    # tokens over several CTAs)
-    ext.set_tuning(wide=wide)
-    try:
-        info = ext.launch_info(6, Sq, H, torch.cuda.current_device())
-        want = {1: "all_warps_wide", 2: "all_warps_wide_unsplit", 3: "all_warps_wide_groups", 0: "all_warps_narrow"}[wide]
-        assert info["m_tile"] == 64 and info["kernel"] == want, info
-        for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
-            _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
-                      fused=fused, causal=causal, seed=H * 7 + Sq)
-        _run_case(ext, lens=[4097, 33], H=H, Sq=Sq, page_size=page_size, dtype=torch.bfloat16, fused=True,
-                  causal=causal, splits=5, seed=H + 5)
-    finally:
-        ext.set_tuning()
+def test_decode_wide_tile(ext, groups, H, Sq, causal, page_size):
+    # 64-row tiles: the row-group kernel (automatic where it fits: 64 KV tokens per step, two 4-warp groups of 32
+    # rows that meet only at the KV stages' mbarriers) and the 32-token all-warps kernel (four QK warps), on the
+    # same cases: lengths that end mid-step (17, 1000, 4097: odd numbers of 32-token tiles, so the last 64-token
+    # step's second half lies past the end and is zero-filled), empty requests, padding rows (24 x 3 = 72 rows),
+    # and splits (4097 tokens over several CTAs)
+    options = dict(groups=groups)
+    info = ext.launch_info(6, Sq, H, torch.cuda.current_device(), ext.LaunchOptions(**options))
+    want = "all_warps_wide_groups" if groups else "all_warps_narrow"
+    assert info["m_tile"] == 64 and info["kernel"] == want, info
+    for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
+        _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
+                  fused=fused, causal=causal, seed=H * 7 + Sq, options=options)
+    _run_case(ext, lens=[4097, 33], H=H, Sq=Sq, page_size=page_size, dtype=torch.bfloat16, fused=True,
+              causal=causal, splits=5, seed=H + 5, options=options)
 
 
-def test_decode_qk_mbarrier_same_bits(ext):
-    # The warp-specialized kernel's mbarrier mode (set_tuning qk_mbar=1, used under compute-sanitizer racecheck)
-    # changes only how its QK warps wait for each other: the results must be the same bits as the default.
-    torch.manual_seed(9)
-    for H, Sq, causal in [(16, 1, True), (8, 4, True), (32, 1, False)]:
-        lens = [4097, 0, 17, 1000, 1]
-        ckv, kpe, table = _paged_cache(lens, 64, torch.bfloat16, True, H)
-        q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
-        got = []
-        for mode in (0, 1):
-            ext.set_tuning(qk_mbar=mode)
-            try:
-                out.fill_(float("nan"))
-                lse.fill_(float("nan"))
-                ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, causal)
-                torch.cuda.synchronize()
-                got.append((out.clone(), lse.clone()))
-            finally:
-                ext.set_tuning()
-        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, *got[1], causal, tag=f"mbar H={H} Sq={Sq}")
-        _same_bits(got[1][0], got[0][0], f"out, H={H} Sq={Sq}")
-        _same_bits(got[1][1], got[0][1], f"lse, H={H} Sq={Sq}")
+def test_qk_mbar_only_in_a_sanitizer_build(ext):
+    # The warp-specialized kernel's QK warps sync on an mbarrier only in a module built with -DMLA_DECODE_QK_MBAR
+    # (tools/sanitize_small.py --qk-mbar, for compute-sanitizer racecheck); the normal build uses the named barrier.
+    assert ext.qk_mbar is False
 
 
 def test_read_stamps_empty_in_a_normal_build(ext):
@@ -364,8 +390,6 @@ def test_decode_rejects_bad_inputs(ext):
 
 # ---- precomputed schedules (decode_schedule once per step, decode(..., schedule=) per layer) ----
 
-AUTO_TUNE = (0, 0, 0, -1, -1, -1, -1)
-
 
 def _same_bits(a, b, name):
     assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -374,30 +398,32 @@ def _same_bits(a, b, name):
     assert torch.equal(ai, bi), f"{name}: not bit-identical ({int((ai != bi).sum())} elements differ)"
 
 
-@pytest.mark.parametrize("tune", [AUTO_TUNE, (0, 0, 0, -1, -1, -1, 0), (0, 2, 0, -1, -1, 0, -1)],
+@pytest.mark.parametrize("options", [None, dict(pdl=False), dict(warp_specialized=False, ctas_per_sm=2)],
                          ids=["auto", "no_pdl", "all_warps_2cta"])
 @pytest.mark.parametrize("lens,H,Sq,splits", [([4097, 0, 17, 1000, 1], 16, 1, 0), ([20000, 3001, 0], 128, 2, 0),
                                               ([513, 2, 77], 24, 3, 0), ([1000, 0, 4097, 17], 16, 1, 7)])
-def test_decode_schedule_bit_identical(ext, tune, lens, H, Sq, splits):
-    ext.set_tuning(*tune)
-    try:
-        ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, H + Sq)
-        q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
-        out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-        if splits:
-            ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, splits)
-            sched = ext.decode_schedule(seqlens, Sq, H, splits)
-            ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, splits, schedule=sched)
-        else:
-            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
-            sched = ext.decode_schedule(seqlens, Sq, H)
-            ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, schedule=sched)
-        torch.cuda.synchronize()
-        _same_bits(out2, out, "out")
-        _same_bits(lse2, lse, "lse")
-        _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out2, lse2, True)
-    finally:
-        ext.set_tuning(*AUTO_TUNE)
+def test_decode_schedule_bit_identical(ext, options, lens, H, Sq, splits):
+    ckv, kpe, table = _paged_cache(lens, 16, torch.bfloat16, True, H + Sq)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, H, Sq, torch.bfloat16)
+    out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    if options is not None:  # the test entry points, with a schedule made for the same options
+        opts = ext.LaunchOptions(**options)
+        ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, opts, splits)
+        sched = ext.decode_schedule_with_options(seqlens, Sq, H, opts, splits)
+        ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, opts, splits,
+                                schedule=sched)
+    elif splits:
+        ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True, splits)
+        sched = ext.decode_schedule(seqlens, Sq, H, splits)
+        ext.decode_splits(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, splits, schedule=sched)
+    else:
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+        sched = ext.decode_schedule(seqlens, Sq, H)
+        ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True, schedule=sched)
+    torch.cuda.synchronize()
+    _same_bits(out2, out, "out")
+    _same_bits(lse2, lse, "lse")
+    _check_call(q_nope, q_pe, ckv, kpe, table, seqlens, lens, out2, lse2, True)
 
 
 def test_decode_schedule_reused_over_layers(ext):
@@ -494,7 +520,6 @@ def test_decode_schedule_fake_size_is_real_size(ext):
     import mla_autograd as M
     from mla_autograd import _ops
 
-    ext.set_tuning(*AUTO_TUNE)
     dev = torch.device(DEV, torch.cuda.current_device())
     for B, Sq, H in [(1, 1, 16), (128, 1, 16), (4, 1, 128), (3, 2, 16), (5, 4, 128), (2, 8, 8), (7, 3, 64), (2, 1, 8)]:
         seqlens = torch.randint(1, 5000, (B,), dtype=torch.int32, device=DEV)
