@@ -218,7 +218,7 @@ def _schedule_family(device: torch.device, batch: int, seqlen_q: int, num_heads:
 
 def schedule_numel(device: torch.device, batch: int, seqlen_q: int, num_heads: int) -> int:
     """Elements of mla_decode_schedule's result on `device` (0 where decode runs the reference path): asked
-    of the kernel family's own launch-shape code, so the fake size is the real one (under set_tuning too)."""
+    of the kernel family's own launch-shape code, so the fake size is the real one."""
     fam = _schedule_family(device, batch, seqlen_q, num_heads)
     if fam is None:
         return 0
