@@ -29,7 +29,6 @@
 
 #include <cassert>
 #include <cmath>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -1132,15 +1131,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 //   brings the uneven tail back). H200, B=2 H=16 S=8192, kernel TF/s (one run; cuDNN moved 453-473 / 514-538
 //   between the processes): pairs per group 1 / 2 / 3 / 4 / 6 / all:
 //   192/128 443 / 456 / 455 / 457 / 450 / 419; 128/128 528 / 541 / 542 / 556 / 531 / 526.
-// MLA_BWD_SM90_L2_GROUP=N forces N pairs per group (0: all), for A/B runs.
-inline int pair_group(const FmhaBwdSm90Params& p) {
-  static const int env = [] {
-    const char* e = std::getenv("MLA_BWD_SM90_L2_GROUP");
-    return e != nullptr ? std::atoi(e) : -1;
-  }();
+// `forced` (FmhaBwdSm90Options::pair_group, from bwd_with_options) overrides it: N pairs per group, 0 all
+// pairs interleaved; negative: this choice.
+inline int pair_group(const FmhaBwdSm90Params& p, int forced) {
   const int pairs = p.hkv * p.batch;
-  if (env == 0) return pairs;
-  if (env > 0) return env < pairs ? env : pairs;
+  if (forced == 0) return pairs;
+  if (forced > 0) return forced < pairs ? forced : pairs;
   if (!p.causal) return 1;
   if (p.deterministic) return pairs;
   const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
@@ -1152,7 +1148,7 @@ inline int pair_group(const FmhaBwdSm90Params& p) {
 }
 
 template <class T, int D, int DV>
-void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
+void run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, cudaStream_t stream) {
   using Element = typename CuteType<T>::type;
   using Tr = Traits<Element, D, DV>;
   constexpr int BM = Tr::BM, BN = Tr::BN;
@@ -1185,7 +1181,7 @@ void run(const FmhaBwdSm90Params& p, cudaStream_t stream) {
 
   MainArgs<Tr> args{};
   args.p = p;
-  args.p.pair_group = pair_group(p);
+  args.p.pair_group = pair_group(p, opt.pair_group);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
