@@ -60,7 +60,7 @@ struct FmhaBwdSm90Params {
 // the defaults. Never part of the kernels' parameters.
 struct FmhaBwdSm90Options {
   // (kv head, batch) pairs per launch group of the main kernel: negative = the launcher's choice
-  // (pair_group in fmha_bwd_sm90_kernel.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
+  // (pair_group in fmha_bwd_sm90_scheduler.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
   int pair_group = -1;
   // Fill the fp32 workspace with 0xff bytes (NaN; -1 in the semaphores) before the kernels run, so that
   // a row or block they fail to write or clear shows up (host api only).

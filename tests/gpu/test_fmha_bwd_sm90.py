@@ -162,8 +162,8 @@ def test_deterministic(ext, dims):
 
 
 def test_launch_groups(ext):
-    """The main kernel's launch order takes (kv head, batch) pairs in groups (pair_group in the kernel
-    header); the other tests' problems are small enough to fit one group. Force 1 (one pair after
+    """The main kernel's launch order takes (kv head, batch) pairs in groups (pair_group in
+    fmha_bwd_sm90_scheduler.cuh); the other tests' problems are small enough to fit one group. Force 1 (one pair after
     another), 4 (9 pairs: 4, 4, 1, a smaller last group) and 0 (all interleaved) through options["l2_group"]:
     every order must give correct gradients, dense and varlen, and deterministic mode the same bits under all
     three (its sums run in K/V block order whatever the launch order)."""
