@@ -3,15 +3,17 @@ beside SDPA cuDNN in the same process, bf16 random normal inputs.
 
     python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
     python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
+    ... [--l2-group N]                                                      # either, forced launch grouping
 
 fwd: median times by triton's do_bench (50 ms warm-up, 300 ms), ours through ext.fwd, cuDNN through SDPA;
-FLOPs 2*B*H*S*S*(Dqk+Dv) (halved when causal). The kernel schedule can be forced with MLA_FWD_SM90_SCHED.
+FLOPs 2*B*H*S*S*(Dqk+Dv) (halved when causal).
 bwd: ext.bwd alone (preprocess + main + dQ convert) on out/lse of the reference forward (no forward kernel
 needed), median of 10 CUDA-event timed calls after 3 warm-up calls, also in deterministic mode (unless
 --no-det); cuDNN's backward as (fwd+bwd) - fwd in the same process; FLOPs 2.5 x the forward's.
-MLA_BWD_SM90_L2_GROUP=N forces the launch grouping. Both print one line per workload (B=...) and add the run
-to the results store (bench/results/fwd-kernel.json, bwd-kernel.json; bench/store.py), MLA_* settings in the
-run's env; --out FILE writes the run alone to FILE instead.
+--l2-group N forces N (head, batch) / (kv head, batch) pairs per launch group (0: all interleaved) through the
+modules' fwd_with_options / bwd_with_options (the default: fwd / bwd, the launcher's choice). Both print one line
+per workload (B=...) and add the run to the results store (bench/results/fwd-kernel.json, bwd-kernel.json;
+bench/store.py), each row with its l2_group ("default" or N); --out FILE writes the run alone to FILE instead.
 """
 from __future__ import annotations
 
@@ -39,8 +41,14 @@ def _rand(shape, dtype, g):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
 
 
-def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64))):
-    """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows."""
+def _options(l2_group):
+    """The launch options dict of fwd_with_options / bwd_with_options, or None for the plain entry."""
+    return None if l2_group is None else {"l2_group": l2_group}
+
+
+def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64)), l2_group=None):
+    """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows.
+    l2_group: None (fwd, the launcher's grouping) or N pairs per L2 launch group (fwd_with_options)."""
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     ext = ext or load_family("fmha_fwd_sm90")
@@ -54,7 +62,9 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
             out = torch.empty(B, S, H, dv, device=DEV, dtype=torch.bfloat16)
             lse = torch.empty(B, H, S, device=DEV)
             scale = 1.0 / math.sqrt(d)
-            fn = lambda: ext.fwd(q, k, v, out, lse, None, None, None, None, scale, causal, True)  # noqa: E731
+            args = (q, k, v, out, lse, None, None, None, None, scale, causal, True)
+            opts = _options(l2_group)
+            fn = (lambda: ext.fwd(*args)) if opts is None else (lambda: ext.fwd_with_options(*args, opts))  # noqa: E731
             t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
             flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -67,7 +77,8 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
                     t_cudnn = tt.do_bench(f2, warmup=50, rep=300, return_mode="median")
             except Exception as exc:  # noqa: BLE001
                 print(f"cudnn failed for {d}/{dv}: {exc}")
-            r = dict(B=B, H=H, S=S, d=d, dv=dv, causal=causal, ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
+            r = dict(B=B, H=H, S=S, d=d, dv=dv, causal=causal, l2_group="default" if opts is None else l2_group,
+                     ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
                      cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
             rows.append(r)
             print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
@@ -76,8 +87,9 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
     return rows
 
 
-def bench_bwd(causal_only=False, det=True):
-    """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows."""
+def bench_bwd(causal_only=False, det=True, l2_group=None):
+    """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows.
+    l2_group: None (bwd, the launcher's grouping) or N pairs per launch group (bwd_with_options)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -114,7 +126,9 @@ def bench_bwd(causal_only=False, det=True):
         # cuDNN: (fwd + bwd) - fwd
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
         dot = dout.transpose(1, 2)
-        res = {"B": B, "H": H, "S": S, "dqk": d, "dv": dv_, "causal": causal}
+        opts = _options(l2_group)
+        res = {"B": B, "H": H, "S": S, "dqk": d, "dv": dv_, "causal": causal,
+               "l2_group": "default" if opts is None else l2_group}
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 def fwd():
@@ -131,8 +145,8 @@ def bench_bwd(causal_only=False, det=True):
         out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for det_ in (False, True) if det else (False,):
-            t = timeit(lambda: ext_.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal,
-                                        False, det_))
+            args = (dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal, False, det_)
+            t = timeit((lambda: ext_.bwd(*args)) if opts is None else (lambda: ext_.bwd_with_options(*args, opts)))
             res[f"ours{'_det' if det_ else ''}_ms"] = round(t * 1e3, 3)
             res[f"ours{'_det' if det_ else ''}_tflops"] = round(flops / t / 1e12, 1)
         print(f"B={B} H={H} S={S} d={d}/{dv_} causal={causal}: {res}", flush=True)
@@ -149,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", action="append", type=int, default=None, help="fwd: only these Dqk (192, 128, 64); repeatable")
     ap.add_argument("--causal-only", action="store_true", help="bwd: the causal workloads only")
     ap.add_argument("--no-det", action="store_true", help="bwd: not in deterministic mode too")
+    ap.add_argument("--l2-group", type=int, default=None, metavar="N",
+                    help="force N pairs per launch group (0: all interleaved); default: the launcher's choice")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     a = ap.parse_args(argv)
@@ -159,9 +175,9 @@ def main(argv=None) -> int:
         dims = [dd for dd in ((192, 128), (128, 128), (64, 64)) if not a.dims or dd[0] in a.dims]
         shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
         ext = load_family("fmha_fwd_sm90")
-        rows = [r for B, H, S in shapes for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims)]
+        rows = [r for B, H, S in shapes for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group)]
     else:
-        rows = bench_bwd(a.causal_only, not a.no_det)
+        rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group)
     print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")
     return 0
 

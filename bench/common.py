@@ -76,7 +76,7 @@ def stamp() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "commit": commit(),
         "args": " ".join(sys.argv[1:]),  # the bench's command line: which mode (--sweep, --quick, ...) ran
-        # the kernels' run-time knobs (MLA_FWD_SM90_SCHED, MLA_BWD_SM90_L2_GROUP, ...) this run was under
+        # the MLA_* environment this run was under
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith("MLA_") and k not in ("MLA_COMMIT", "MLA_AUTOGRAD_CACHE")},
     }

@@ -90,17 +90,20 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     monkeypatch.setattr(mod, "load_family", lambda name: None)
     seen = []
 
-    def fake_fwd(ext, B, H, S, dims):
-        seen.append((B, H, S, tuple(dims)))
+    def fake_fwd(ext, B, H, S, dims, l2_group):
+        seen.append((B, H, S, tuple(dims), l2_group))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
-    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det: [{"causal": causal_only, "det": det}])
+    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group: [{"causal": causal_only, "det": det,
+                                                                                "l2_group": l2_group}])
     assert mod.main(["fwd", "--shape", "1,2,128", "--shape", "2,4,256", "--dims", "64", "--results", str(tmp_path)]) == 0
-    assert seen == [(1, 2, 128, ((64, 64),)), (2, 4, 256, ((64, 64),))]
+    assert seen == [(1, 2, 128, ((64, 64),), None), (2, 4, 256, ((64, 64),), None)]
     assert len(json.loads((tmp_path / "fwd-kernel.json").read_text())["rows"]) == 2
-    assert mod.main(["bwd", "--causal-only", "--no-det", "--results", str(tmp_path)]) == 0
+    assert mod.main(["fwd", "--dims", "192", "--l2-group", "3", "--out", str(tmp_path / "one.json")]) == 0
+    assert seen[-1] == (2, 16, 8192, ((192, 128),), 3)
+    assert mod.main(["bwd", "--causal-only", "--no-det", "--l2-group", "0", "--results", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "bwd-kernel.json").read_text())["rows"]
-    assert (row["causal"], row["det"], row["commit"]) == (True, False, "c0ffee")
+    assert (row["causal"], row["det"], row["l2_group"], row["commit"]) == (True, False, 0, "c0ffee")
 
 
 def test_layer_cpu_smoke_writes_only_with_out(tmp_path):

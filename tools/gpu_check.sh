@@ -9,7 +9,7 @@
 #   bash tools/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash tools/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS), RACECHECK_PROBE=1, GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_SCHEDS (+SCHED_TEST_BUDGET), FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
 # CUTLASS_WHEEL: an nvidia-cutlass wheel file to install (into the work folder) when the package is missing.
 set -uo pipefail
@@ -102,14 +102,6 @@ if [ "$MODE" != "--bench-only" ]; then
     grep -E "^FAILED|^ERROR" "$WORK/$(basename "$f" .py).log" | head -8 | tee -a "$summary"
   done
   say "gpu tests: $(( $(date +%s) - t )) s"
-  # FWD_SCHEDS="1 2": the forward's alternative schedules (MLA_FWD_SM90_SCHED) through its own tests,
-  # each in a fresh process (the kernel reads the variable once)
-  for s in ${FWD_SCHEDS:-}; do
-    MLA_FWD_SM90_SCHED=$s timeout "${SCHED_TEST_BUDGET:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/gpu/test_fmha_fwd_sm90.py >"$WORK/fwd_sched$s.log" 2>&1
-    say "fwd tests, schedule $s, rc=$?: $(grep -E '(passed|failed|error)' "$WORK/fwd_sched$s.log" | tail -1)"
-    grep -E "^FAILED|^ERROR" "$WORK/fwd_sched$s.log" | head -8 | tee -a "$summary"
-  done
 fi
 
 if [ "$MODE" != "--tests-only" ]; then
@@ -118,13 +110,10 @@ if [ "$MODE" != "--tests-only" ]; then
     timeout 200 python3 bench/bench_kernels.py bwd >"$WORK/bench_bwd.log" 2>&1
     say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
   fi
-  # FWD_BENCH=1: the forward kernel alone, beside cuDNN, with its defaults and then under each FWD_SCHEDS
-  # schedule (forcing a schedule also keeps the config's kBlockN for unmasked problems)
-  for s in ${FWD_BENCH:+default} ${FWD_SCHEDS:-}; do
-    if [ "$s" = default ]; then env_s=(env -u MLA_FWD_SM90_SCHED); else env_s=(env MLA_FWD_SM90_SCHED=$s); fi
-    "${env_s[@]}" timeout 120 python3 bench/bench_kernels.py fwd >"$WORK/bench_fwd_$s.log" 2>&1
-    say "fwd kernel bench, schedule $s, rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd_$s.log" | tee -a "$summary"
-  done
+  if [ -n "${FWD_BENCH:-}" ]; then  # the forward kernel alone, beside cuDNN
+    timeout 120 python3 bench/bench_kernels.py fwd >"$WORK/bench_fwd.log" 2>&1
+    say "fwd kernel bench rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd.log" | tee -a "$summary"
+  fi
   if [ "${ATTN_BUDGET:-240}" -gt 0 ]; then
     timeout "${ATTN_BUDGET:-240}" python3 bench/bench_attention.py ${ATTN_ARGS:-} >"$WORK/bench_attention.log" 2>&1
     say "bench_attention rc=$?"; sed -n '/^workload/,$p' "$WORK/bench_attention.log" | tee -a "$summary"

@@ -1,6 +1,8 @@
 // Host api of the SM90 fused attention backward (family fmha_bwd_sm90):
 //   bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-//       softmax_scale, causal, bottom_right, deterministic) -> None
+//       softmax_scale, causal, bottom_right, deterministic) -> None      what mla_autograd/_ops.py calls
+//   bwd_with_options(..., deterministic, options: dict) -> None            the same with launch options
+//       (tests and benchmarks only; see parse_options)
 // Validates every argument (errors name it), allocates the fp32 workspace (O(Tq * Hq * D)), and
 // launches preprocess -> main -> postprocess on the current stream.
 #include <torch/extension.h>
@@ -10,8 +12,8 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <optional>
+#include <string>
 
 #include "common/checks.h"
 #include "fmha_bwd_sm90_config.h"
@@ -38,13 +40,35 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
   MLA_CHECK(t.sizes() == shape, "fmha_bwd_sm90: ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-}  // namespace
+// bwd_with_options' `options` -> FmhaBwdSm90Options; {} gives bwd's defaults. Keys:
+//   "l2_group": int >= 0, (kv head, batch) pairs per launch group of the main kernel (0: every pair interleaved);
+//   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run.
+FmhaBwdSm90Options parse_options(const py::dict& options) {
+  FmhaBwdSm90Options o;
+  for (auto item : options) {
+    MLA_CHECK(py::isinstance<py::str>(item.first), "fmha_bwd_sm90: options keys must be strings");
+    const std::string key = item.first.cast<std::string>();
+    if (key == "l2_group") {
+      MLA_CHECK(py::isinstance<py::int_>(item.second) && !py::isinstance<py::bool_>(item.second),
+                "fmha_bwd_sm90: options['l2_group'] must be an int");
+      const int64_t g = item.second.cast<int64_t>();
+      MLA_CHECK(g >= 0 && g < (int64_t(1) << 31), "fmha_bwd_sm90: options['l2_group'] must be in [0, 2^31), got ", g);
+      o.pair_group = int(g);
+    } else if (key == "poison_workspace") {
+      MLA_CHECK(py::isinstance<py::bool_>(item.second), "fmha_bwd_sm90: options['poison_workspace'] must be a bool");
+      o.poison_workspace = item.second.cast<bool>();
+    } else {
+      MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key, "' (known: l2_group, poison_workspace)");
+    }
+  }
+  return o;
+}
 
-void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
-         at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
-         std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
-         std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
-         bool deterministic) {
+void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
+              at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
+              std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+              std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+              bool deterministic, const FmhaBwdSm90Options& opt) {
   MLA_CHECK(q.is_cuda(), "fmha_bwd_sm90: q must be a CUDA tensor");
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "fmha_bwd_sm90: q must be bfloat16 or float16, got ", q.scalar_type());
@@ -148,10 +172,10 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
   at::Tensor dq_accum = at::empty({hq, scratch_rows, d}, fopt);
   at::Tensor dq_sem = at::empty({deterministic ? hq * (scratch_rows / BM) : 1}, q.options().dtype(at::kInt));
   // The kernels must not depend on what the workspace held before: the preprocess writes every row of lse_log2
-  // and dpsum the main kernel reads, and clears every dq_accum block and semaphore. Tests set
-  // MLA_AUTOGRAD_POISON_WORKSPACE=1 (read per call) to fill all four with 0xff bytes (NaN, -1) first.
+  // and dpsum the main kernel reads, and clears every dq_accum block and semaphore. The tests check that with
+  // options['poison_workspace'], which fills all four with 0xff bytes (NaN, -1) first.
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();  // q's device (guard above)
-  if (const char* e = std::getenv("MLA_AUTOGRAD_POISON_WORKSPACE"); e != nullptr && e[0] == '1') {
+  if (opt.poison_workspace) {
     for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem}) {
       C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), stream));
     }
@@ -226,16 +250,37 @@ void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o
 
   try {
     if (d == 192) {
-      fmha_bwd_sm90_run_192_128(p, stream);
+      fmha_bwd_sm90_run_192_128(p, opt, stream);
     } else if (d == 128) {
-      fmha_bwd_sm90_run_128_128(p, stream);
+      fmha_bwd_sm90_run_128_128(p, opt, stream);
     } else {
-      fmha_bwd_sm90_run_64_64(p, stream);
+      fmha_bwd_sm90_run_64_64(p, opt, stream);
     }
   } catch (const std::exception& e) {
     MLA_CHECK(false, e.what());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
+         at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
+         std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+         std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+         bool deterministic) {
+  bwd_impl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+           softmax_scale, causal, bottom_right, deterministic, FmhaBwdSm90Options{});
+}
+
+void bwd_with_options(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
+                      at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
+                      std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+                      std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+                      bool deterministic, const py::dict& options) {
+  const FmhaBwdSm90Options opt = parse_options(options);
+  bwd_impl(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+           softmax_scale, causal, bottom_right, deterministic, opt);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -244,4 +289,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
         py::arg("causal"), py::arg("bottom_right"), py::arg("deterministic"));
+  m.def("bwd_with_options", &bwd_with_options,
+        "bwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (kv head, batch) "
+        "pairs per launch group (0: all interleaved), {'poison_workspace': True} fills the fp32 workspace with NaN "
+        "first; {} is bwd",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
+        py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"),
+        py::arg("deterministic"), py::arg("options"));
 }

@@ -53,6 +53,6 @@ struct FmhaBwdSm90Config<64, 64> {
 // Every config uses the same M-block for the preprocess/postprocess and the fp32 scratch layout.
 constexpr int kFmhaBwdSm90BlockM = 64;
 
-// Causal launch groups (pair_group in fmha_bwd_sm90_kernel.cuh): the share of the L2 that one group's
+// Causal launch groups (pair_group in fmha_bwd_sm90_scheduler.cuh): the share of the L2 that one group's
 // Q, dO and fp32 dQ accumulator may fill.
 constexpr double kFmhaBwdSm90L2GroupShare = 0.75;  // H200 (60 MB): 4 pairs at S=8192, d=192 or 128

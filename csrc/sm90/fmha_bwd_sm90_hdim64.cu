@@ -3,11 +3,11 @@
 #include <string>
 #include "fmha_bwd_sm90_kernel.cuh"
 
-void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, void* stream) {
+void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.is_bf16) {
-    fmha_bwd_sm90::run<__nv_bfloat16, 64, 64>(p, s);
+    fmha_bwd_sm90::run<__nv_bfloat16, 64, 64>(p, opt, s);
   } else {
-    fmha_bwd_sm90::run<__half, 64, 64>(p, s);
+    fmha_bwd_sm90::run<__half, 64, 64>(p, opt, s);
   }
 }

@@ -56,7 +56,18 @@ struct FmhaBwdSm90Params {
   bool dkv_tma;
 };
 
+// Host-side launch options: what the test-only entry bwd_with_options can set (tests, benchmarks); bwd uses
+// the defaults. Never part of the kernels' parameters.
+struct FmhaBwdSm90Options {
+  // (kv head, batch) pairs per launch group of the main kernel: negative = the launcher's choice
+  // (pair_group in fmha_bwd_sm90_scheduler.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
+  int pair_group = -1;
+  // Fill the fp32 workspace with 0xff bytes (NaN; -1 in the semaphores) before the kernels run, so that
+  // a row or block they fail to write or clear shows up (host api only).
+  bool poison_workspace = false;
+};
+
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu.
-void fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, void* stream);
-void fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, void* stream);
-void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, void* stream);
+void fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);
+void fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);
+void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);

@@ -1,8 +1,12 @@
 // Host layer of the fmha_fwd_sm90 family: validates every argument, fills FmhaFwdSm90Params and
 // launches on the current stream. Contract: docs/architecture.md, "Forward".
+//   fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+//       bottom_right) -> None                      what mla_autograd/_ops.py calls
+//   fwd_with_options(..., options: dict) -> None   the same with launch options (tests and benchmarks only)
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -25,10 +29,30 @@ void check_strides(const at::Tensor& t, const char* name) {
               " must be 16-byte aligned");
 }
 
-void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-         std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, double softmax_scale,
-         bool causal, bool bottom_right) {
+// fwd_with_options' `options` -> FmhaFwdSm90Options; {} gives fwd's defaults. Keys:
+//   "l2_group": int >= 0, (head, batch) pairs per L2 launch group (0: every pair interleaved).
+FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
+  FmhaFwdSm90Options o;
+  for (auto item : options) {
+    MLA_CHECK(pybind11::isinstance<pybind11::str>(item.first), "fmha_fwd_sm90: options keys must be strings");
+    const std::string key = item.first.cast<std::string>();
+    if (key == "l2_group") {
+      MLA_CHECK(pybind11::isinstance<pybind11::int_>(item.second) && !pybind11::isinstance<pybind11::bool_>(item.second),
+                "fmha_fwd_sm90: options['l2_group'] must be an int");
+      const int64_t g = item.second.cast<int64_t>();
+      MLA_CHECK(g >= 0 && g < (int64_t(1) << 31), "fmha_fwd_sm90: options['l2_group'] must be in [0, 2^31), got ", g);
+      o.l2_head_group = int(g);
+    } else {
+      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group)");
+    }
+  }
+  return o;
+}
+
+void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+              const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+              std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, double softmax_scale,
+              bool causal, bool bottom_right, const FmhaFwdSm90Options& opt) {
   // ---- device, dtypes ----
   MLA_CHECK(q.is_cuda(), "fmha_fwd_sm90: q must be a CUDA tensor");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}}) {
@@ -143,10 +167,28 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   cudaError_t err;
-  if (Dqk == 192) err = fmha_fwd_sm90_launch_192_128(p, stream);
-  else if (Dqk == 128) err = fmha_fwd_sm90_launch_128_128(p, stream);
-  else err = fmha_fwd_sm90_launch_64_64(p, stream);
+  if (Dqk == 192) err = fmha_fwd_sm90_launch_192_128(p, opt, stream);
+  else if (Dqk == 128) err = fmha_fwd_sm90_launch_128_128(p, opt, stream);
+  else err = fmha_fwd_sm90_launch_64_64(p, opt, stream);
   MLA_CHECK(err == cudaSuccess, "fmha_fwd_sm90: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+         const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+         std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, double softmax_scale,
+         bool causal, bool bottom_right) {
+  fwd_impl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+           bottom_right, FmhaFwdSm90Options{});
+}
+
+void fwd_with_options(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                      at::Tensor& lse, const std::optional<at::Tensor>& cu_seqlens_q,
+                      const std::optional<at::Tensor>& cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+                      std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+                      const pybind11::dict& options) {
+  const FmhaFwdSm90Options opt = parse_options(options);
+  fwd_impl(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+           bottom_right, opt);
 }
 
 }  // namespace
@@ -157,4 +199,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("cu_seqlens_q"),
         pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"));
+  m.def("fwd_with_options", &fwd_with_options,
+        "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
+        "pairs per L2 launch group (0: all interleaved); {} is fwd",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
+        pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),
+        pybind11::arg("bottom_right"), pybind11::arg("options"));
 }

@@ -12,18 +12,15 @@ template <>
 struct FmhaFwdSm90Config<192, 128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kConsumerWG = 2, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static constexpr int kSched = 0;  // see FwdTraits; 2 (pingpong) is off for d=192 in FA3/FA4
   static constexpr int kBlockNNoMask = 128;
 };
 
 // 128/128: 128x128, 2 consumer WGs, smem Q 32 + K 2x32 + V 2x32 = 160 KiB. Without a causal mask
 // 128x176 (FA3's tile): smem Q 32 + K 2x44 + V 2x44 = 208 KiB.
-// Schedules 1 and 2 measured on the H200 (B=2 H=16 S=8192): within 1% of schedule 0.
 template <>
 struct FmhaFwdSm90Config<128, 128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kConsumerWG = 2, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static constexpr int kSched = 0;
   static constexpr int kBlockNNoMask = 176;
 };
 
@@ -32,6 +29,5 @@ template <>
 struct FmhaFwdSm90Config<64, 64> {
   static constexpr int kBlockM = 192, kBlockN = 128, kConsumerWG = 3, kStages = 2;
   static constexpr int kProducerRegs = 32, kConsumerRegs = 160;
-  static constexpr int kSched = 0;  // 2 measured +1-2% on the H200: within noise
   static constexpr int kBlockNNoMask = 128;
 };

@@ -20,7 +20,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -41,25 +40,15 @@ namespace mla_sm90 {
 
 using namespace cute;
 
-// Schedules (kSched):
-//   0 (default, validated on the H200): producer loads K(n), V(n) per block; O rescaled right
-//     after PV(n+1) completes.
-//   1: producer loads K(n) ahead of V(n+1); the O rescale is deferred to just after the next QK
-//     issue so it overlaps that GEMM (FA3's order).
-//   2 (pingpong): as 1, and the consumer warpgroups take turns issuing GEMMs (named barriers).
-// Schedules 1 and 2 are opt-in (MLA_FWD_SM90_SCHED=1|2): on the H200 they measured within noise of 0
-// (docs/kernels/fmha_fwd_sm90.md).
-template <class Element_, int kDqk_, int kDv_, int kSched_, int kBlockN_ = FmhaFwdSm90Config<kDqk_, kDv_>::kBlockN>
+// Schedule: the producer loads K(n), V(n) per block; each consumer warpgroup issues QK(n) and PV(n+1)
+// back to back and rescales O right after PV(n+1) completes. FA3's alternatives (K(n) ahead of V(n+1)
+// with the rescale deferred past the next QK issue; pingpong between the consumer warpgroups) measured
+// within noise of it on the H200 (docs/kernels/fmha_fwd_sm90.md).
+template <class Element_, int kDqk_, int kDv_, int kBlockN_ = FmhaFwdSm90Config<kDqk_, kDv_>::kBlockN>
 struct FwdTraits {
   using Element = Element_;
   using Cfg = FmhaFwdSm90Config<kDqk_, kDv_>;
   static constexpr int kDqk = kDqk_, kDv = kDv_;
-  // Pingpong: named barriers make the consumer warpgroups take turns issuing their GEMMs, so one
-  // warpgroup's softmax overlaps the other's GEMMs (FA3's inter-warpgroup schedule).
-  static constexpr int kSched = kSched_;
-  static constexpr bool kPingpong = kSched_ == 2;
-  static constexpr bool kKAheadOfV = kSched_ >= 1;
-  static constexpr bool kDeferRescale = kSched_ >= 1;
   static constexpr int kBM = Cfg::kBlockM, kBN = kBlockN_;
   static constexpr int kNWG = Cfg::kConsumerWG, kStages = Cfg::kStages;
   static constexpr int kThreads = 128 * (kNWG + 1);
@@ -251,43 +240,17 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
       copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
 
-      // kKAheadOfV: K(n_max-1), then K(n) before V(n+1), then V(n_min): the consumers need K(n) for
-      // QK(n) one step before V(n+1) for PV(n+1). Else K(n), V(n) per block. Either way the K and V
-      // rings advance once per block, so block n uses the same stage index in both.
-      int k_stage = 0, v_stage = 0;
-      uint32_t k_phase = 1, v_phase = 1;  // producer waits on "empty" starting from the completed phase
-      auto load_k = [&](int n) {
-        ClusterBarrier::wait(&ss.empty_k[k_stage], k_phase);
-        TxBarrier::arrive_and_expect_tx(&ss.full_k[k_stage], KT::kBytesK);
-        copy(kp.tma_k.with(ss.full_k[k_stage], 0), tKg(_, n), tKs(_, k_stage));
-        if (++k_stage == kStages) { k_stage = 0; k_phase ^= 1; }
-      };
-      auto load_v = [&](int n) {
-        ClusterBarrier::wait(&ss.empty_v[v_stage], v_phase);
-        TxBarrier::arrive_and_expect_tx(&ss.full_v[v_stage], KT::kBytesV);
-        copy(kp.tma_v.with(ss.full_v[v_stage], 0), tVg(_, n), tVs(_, v_stage));
-        if (++v_stage == kStages) { v_stage = 0; v_phase ^= 1; }
-      };
-      if constexpr (KT::kKAheadOfV) {
-        load_k(n_max - 1);
-        for (int n = n_max - 2; n >= n_min; --n) {
-          load_k(n);
-          load_v(n + 1);
-        }
-        load_v(n_min);
-      } else {
-        // Schedule 0 exactly as validated on the device: one stage counter for both rings.
-        int stage = 0;
-        uint32_t phase = 1;
-        for (int n = n_max - 1; n >= n_min; --n) {
-          ClusterBarrier::wait(&ss.empty_k[stage], phase);
-          TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
-          copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
-          ClusterBarrier::wait(&ss.empty_v[stage], phase);
-          TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
-          copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
-        }
+      // K(n), V(n) per block, one stage counter for both rings (block n uses the same stage in both).
+      int stage = 0;
+      uint32_t phase = 1;  // the producer waits on "empty" starting from the completed phase
+      for (int n = n_max - 1; n >= n_min; --n) {
+        ClusterBarrier::wait(&ss.empty_k[stage], phase);
+        TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
+        copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
+        ClusterBarrier::wait(&ss.empty_v[stage], phase);
+        TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
+        copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
     }
   } else {
@@ -322,24 +285,13 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     auto release = [&](uint64_t* bar) {
       if (lane == 0) ClusterBarrier::arrive(bar);
     };
-    int const cwg = wg_idx - 1;  // consumer warpgroup 0..kNWG-1
-    // Named barrier cwg: "consumer warpgroup cwg may issue its GEMMs" (128 waiting + 128 arriving).
-    auto turn_wait = [&]() {
-      if constexpr (KT::kPingpong) cutlass::arch::NamedBarrier::sync(256, cwg);
-    };
-    auto turn_pass = [&]() {
-      if constexpr (KT::kPingpong) cutlass::arch::NamedBarrier::arrive(256, (cwg + 1) % KT::kNWG);
-    };
 
     if (n_max > n_min) {
-      if constexpr (KT::kPingpong) {
-        if (cwg == 0) cutlass::arch::NamedBarrier::arrive(256, 0);  // the first warpgroup starts
-      }
       TxBarrier::wait(&ss.bar_q, 0);
       int stage = 0;
       uint32_t phase = 0;
       float alpha[R];
-      // O *= alpha (row-wise): after PV(n+1) completes (kSched 0) or just after the next QK issue.
+      // O *= alpha (row-wise), after PV(n+1) completes.
       auto rescale_o = [&]() {
         CUTE_UNROLL
         for (int r = 0; r < R; ++r) {
@@ -351,9 +303,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       // ---- first (last-index) key block: peeled, no PV yet ----
       int n = n_max - 1;
       TxBarrier::wait(&ss.full_k[stage], phase);
-      turn_wait();
       wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
-      turn_pass();
       warpgroup_wait<0>();
       release(&ss.empty_k[stage]);
       if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
@@ -367,20 +317,16 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       // ---- steady state: QK(n) and PV(n+1) in flight together ----
       for (n = n_max - 2; n >= n_min; --n) {
         TxBarrier::wait(&ss.full_k[stage], phase);
-        if constexpr (KT::kPingpong) TxBarrier::wait(&ss.full_v[v_stage], v_phase);  // before taking the turn
-        turn_wait();
         wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
-        if constexpr (KT::kDeferRescale) rescale_o();  // previous block's alpha, while QK(n) runs
-        if constexpr (!KT::kPingpong) TxBarrier::wait(&ss.full_v[v_stage], v_phase);
+        TxBarrier::wait(&ss.full_v[v_stage], v_phase);
         wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
-        turn_pass();
         warpgroup_wait<1>();
         release(&ss.empty_k[stage]);
         if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
         sm.step(S_rc, c, alpha);
         warpgroup_wait<0>();
         release(&ss.empty_v[v_stage]);
-        if constexpr (!KT::kDeferRescale) rescale_o();
+        rescale_o();
         convert_frag(tSrS, tOrP);
         v_stage = stage;
         v_phase = phase;
@@ -390,10 +336,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 
       // ---- last PV ----
       TxBarrier::wait(&ss.full_v[v_stage], v_phase);
-      turn_wait();
-      if constexpr (KT::kDeferRescale) rescale_o();
       wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
-      turn_pass();
       warpgroup_wait<0>();
       release(&ss.empty_v[v_stage]);
     }
@@ -444,14 +387,11 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 // Smaller groups measured faster (H200, 60 MB L2, B=2 H=16 S=8192, kernel TF/s over three runs, 2 / 6-7 (half
 // the L2) / 8 pairs per group: 192/128 649 / 643 / 635, 128/128 617 / 604 / 601; all heads interleaved: 593 /
 // 561). A quarter of the L2 gives 3 pairs there: 642 / 608.
-// MLA_FWD_SM90_L2_GROUP=N forces N; 0 interleaves all heads (for A/B runs).
-inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb) {
-  static int const env = [] {
-    char const* e = std::getenv("MLA_FWD_SM90_L2_GROUP");
-    return e != nullptr ? std::atoi(e) : -1;
-  }();
-  if (env == 0) return num_hb;
-  if (env > 0) return env < num_hb ? env : num_hb;
+// `forced` (FmhaFwdSm90Options::l2_head_group, from fwd_with_options) overrides it: N pairs per group, 0 all
+// heads interleaved; negative: this choice.
+inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb, int forced) {
+  if (forced == 0) return num_hb;
+  if (forced > 0) return forced < num_hb ? forced : num_hb;
   // K/V bytes per query head (GQA: a K/V head serves hq / hkv consecutive query heads)
   double const per_head = double(p.seqlen_k) * (p.dqk + p.dv) * 2.0 * p.hkv / p.hq;
   int64_t g = per_head > 0 ? int64_t(0.25 * device_l2_bytes() / per_head) : num_hb;
@@ -460,9 +400,9 @@ inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb) {
 }
 
 // ------------------------------------------------------------------------------------------------
-template <class Element, int kDqk, int kDv, int kSched, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
-cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stream) {
-  using KT = FwdTraits<Element, kDqk, kDv, kSched, kBlockN>;
+template <class Element, int kDqk, int kDv, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
+cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, cudaStream_t stream) {
+  using KT = FwdTraits<Element, kDqk, kDv, kBlockN>;
   using GShape = typename KT::GShape;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
   bool const varlen_k = p.cu_seqlens_k != nullptr;
@@ -495,7 +435,7 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stre
   if (num_m == 0 || p.batch == 0 || p.hq == 0) return cudaSuccess;
   int const num_hb = p.hq * p.batch;
   if (int64_t(num_hb) * num_m >= (int64_t(1) << 31)) return cudaErrorInvalidConfiguration;
-  kp.p.l2_head_group = l2_head_group(p, num_hb);
+  kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group);
   dim3 grid(unsigned(num_hb) * unsigned(num_m), 1, 1);
   dim3 block(KT::kThreads, 1, 1);
   auto kernel = fmha_fwd_sm90_kernel<KT>;
@@ -505,36 +445,21 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, cudaStream_t stre
   return cudaGetLastError();
 }
 
-// Schedule: the config's default (kSched); MLA_FWD_SM90_SCHED=0|1|2 overrides it (benchmarking) and
-// then also keeps the config's kBlockN for unmasked problems (A/B against kBlockNNoMask).
+// Unmasked problems take the config's wider key block where it has one (kBlockNNoMask).
 template <class Element, int kDqk, int kDv>
-cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, cudaStream_t stream) {
-  static int const env = [] {
-    char const* e = std::getenv("MLA_FWD_SM90_SCHED");
-    return (e != nullptr && e[0] >= '0' && e[0] <= '2') ? e[0] - '0' : -1;
-  }();
+cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, cudaStream_t stream) {
   using Cfg = FmhaFwdSm90Config<kDqk, kDv>;
-  // Unmasked problems take the wider key block where the config has one (default schedule only).
   if constexpr (Cfg::kBlockNNoMask != Cfg::kBlockN) {
-    if (!p.causal && env < 0) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kSched, Cfg::kBlockNNoMask>(p, stream);
+    if (!p.causal) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kBlockNNoMask>(p, opt, stream);
   }
-  int sched = env < 0 ? Cfg::kSched : env;
-  // 64/64 (3 consumer warpgroups, 128-register compile cap) spills 20 bytes under schedule 1: not built.
-  if (Cfg::kConsumerWG == 3 && sched == 1) sched = 0;
-  switch (sched) {
-    case 1:
-      if constexpr (Cfg::kConsumerWG != 3)
-        return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 1>(p, stream);
-      return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 0>(p, stream);
-    case 2: return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 2>(p, stream);
-    default: return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, 0>(p, stream);
-  }
+  return run_fmha_fwd_sm90_impl<Element, kDqk, kDv>(p, opt, stream);
 }
 
 }  // namespace mla_sm90
 
 #define MLA_FMHA_FWD_SM90_DEFINE_LAUNCHER(DQK, DV)                                                  \
-  cudaError_t fmha_fwd_sm90_launch_##DQK##_##DV(FmhaFwdSm90Params const& p, cudaStream_t stream) { \
-    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, stream)          \
-                     : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, stream);             \
+  cudaError_t fmha_fwd_sm90_launch_##DQK##_##DV(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, \
+                                                 cudaStream_t stream) {                                     \
+    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, opt, stream)          \
+                     : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, opt, stream);             \
   }

@@ -39,7 +39,18 @@ struct FmhaFwdSm90Params {
   bool is_bf16;
 };
 
+// Host-side launch options: what the test-only entry fwd_with_options can set (tests, benchmarks); fwd uses
+// the defaults. Never part of the kernel's parameters.
+struct FmhaFwdSm90Options {
+  // (head, batch) pairs per L2 launch group: negative = the launcher's choice (l2_head_group in
+  // fmha_fwd_sm90_kernel.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
+  int l2_head_group = -1;
+};
+
 // Launchers, one per head-dim pair (each in its own translation unit).
-cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, cudaStream_t stream);
-cudaError_t fmha_fwd_sm90_launch_128_128(FmhaFwdSm90Params const& p, cudaStream_t stream);
-cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, cudaStream_t stream);
+cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
+                                         cudaStream_t stream);
+cudaError_t fmha_fwd_sm90_launch_128_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
+                                         cudaStream_t stream);
+cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
+                                       cudaStream_t stream);

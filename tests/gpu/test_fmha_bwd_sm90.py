@@ -5,16 +5,17 @@ Reference: mla_autograd.reference.attention_backward in float32 on the same 16-b
 lse from mla_autograd.reference.attention_forward, so these tests do not depend on any forward
 kernel). Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plain PyTorch autograd
 in the same dtype (mla_autograd.testing.naive_attention) + eps. Gradients are NaN-poisoned before
-the call so unwritten elements fail, and so is the kernel's fp32 workspace (fixture `poisoned_workspace`).
-
-MLA_BWD_SM90_L2_GROUP=N in the environment forces the launch grouping. bench/bench_kernels.py bwd times the
-kernel beside cuDNN; tools/kernel_smoke.py bwd runs small cases with a per-gradient error report.
+the call so unwritten elements fail, and so is the kernel's fp32 workspace: the tests call the module's
+test-only entry bwd_with_options(..., options) with options["poison_workspace"] (see `_bwd`), which also
+forces the launch grouping (options["l2_group"]); bwd itself, what mla_autograd calls, is checked against it
+bit for bit (test_bwd_entry). bench/bench_kernels.py bwd times the kernel beside cuDNN; tools/kernel_smoke.py
+bwd runs small cases with a per-gradient error report.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
-import sys
 
 import pytest
 import torch
@@ -43,12 +44,11 @@ def ext():
     return load_family("fmha_bwd_sm90")
 
 
-@pytest.fixture(autouse=True)
-def poisoned_workspace(monkeypatch):
-    """Every call fills its fp32 workspace (lse_log2, dpsum, the dQ accumulator) with NaN and its
-    semaphores with -1 first (the host reads MLA_AUTOGRAD_POISON_WORKSPACE per call), so a row or
-    block the preprocess does not write or clear shows up as NaN instead of as the allocator's zeros."""
-    monkeypatch.setenv("MLA_AUTOGRAD_POISON_WORKSPACE", "1")
+def _bwd(ext, *args, **options):
+    """ext.bwd's arguments, run through ext.bwd_with_options with the fp32 workspace (lse_log2, dpsum, the dQ
+    accumulator) filled with NaN and its semaphores with -1 first, so a row or block the preprocess does not
+    write or clear shows up as NaN instead of as the allocator's zeros; `options` adds launch options."""
+    ext.bwd_with_options(*args, {"poison_workspace": True, **options})
 
 
 def _mask_id(m):
@@ -64,9 +64,9 @@ def _inputs(shape_q, shape_k, shape_v, dtype, seed):
 
 
 def _kernel_vs_reference(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None,
-                         deterministic=False, seed=0):
-    """Run the kernel (outputs NaN-poisoned) and return [(name, kernel grad, float32 reference grad,
-    plain-PyTorch grad in the input dtype)] for dq, dk, dv."""
+                         deterministic=False, seed=0, options=None):
+    """Run the kernel (outputs and workspace NaN-poisoned; `options`: more launch options for _bwd) and return
+    [(name, kernel grad, float32 reference grad, plain-PyTorch grad in the input dtype)] for dq, dk, dv."""
     dtype = q.dtype
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk,
               softmax_scale=scale, causal=causal, bottom_right=bottom_right)
@@ -83,8 +83,8 @@ def _kernel_vs_reference(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None
     ob.backward(dout)
     # kernel, outputs poisoned
     grads = [torch.full(t.shape, float("nan"), dtype=dtype, device=DEV) for t in (q, k, v)]
-    ext.bwd(dout, q, k, v, out, lse.contiguous(), *grads, cu_q, cu_k, msq, msk, scale, causal, bottom_right,
-            deterministic)
+    _bwd(ext, dout, q, k, v, out, lse.contiguous(), *grads, cu_q, cu_k, msq, msk, scale, causal, bottom_right,
+         deterministic, **(options or {}))
     torch.cuda.synchronize()
     return list(zip(("dq", "dk", "dv"), grads, refs, (qb.grad, kb.grad, vb.grad)))
 
@@ -153,7 +153,7 @@ def test_deterministic(ext, dims):
         dq = torch.full_like(q, float("nan"))
         dk = torch.full_like(k, float("nan"))
         dv = torch.full_like(v, float("nan"))
-        ext.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, True, True, True)
+        _bwd(ext, dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, True, True, True)
         if first is None:
             first = (dq, dk, dv)
         else:
@@ -161,51 +161,66 @@ def test_deterministic(ext, dims):
                 assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), "deterministic mode not bit-identical"
 
 
-_GROUP_SCRIPT = r"""
-import hashlib, itertools, math, sys
-import torch
-sys.path.insert(0, sys.argv[1])
-import test_fmha_bwd_sm90 as t
-from mla_autograd._build import load_family
-ext = load_family("fmha_bwd_sm90")
-h = hashlib.sha256()
-for (d, dv), (causal, br), det in itertools.product(t.DIMS, t.MASKS, (False, True)):
-    # 3 batches x 3 kv heads = 9 (kv head, batch) pairs: groups of 4 are 4, 4, 1
-    q, k, v = t._inputs((3, 301, 6, d), (3, 250, 3, d), (3, 250, 3, dv), torch.bfloat16, seed=d + causal)
-    grads = t._run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br,
-                             deterministic=det)
-    if det:
-        for g in grads:
-            h.update(g.view(torch.int16).cpu().numpy().tobytes())
-lq, lk = [0, 130, 64, 257], [70, 200, 1, 300]
-cu_q = torch.tensor([0, *itertools.accumulate(lq)], device="cuda", dtype=torch.int32)
-cu_k = torch.tensor([0, *itertools.accumulate(lk)], device="cuda", dtype=torch.int32)
-for (d, dv), (causal, br) in itertools.product(t.DIMS, t.MASKS):
-    q, k, v = t._inputs((sum(lq), 4, d), (sum(lk), 2, d), (sum(lk), 2, dv), torch.bfloat16, seed=5)
-    t._run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
-                     msq=max(lq), msk=max(lk))
-print("GROUP-OK", h.hexdigest())
-"""
-
-
-def test_launch_groups():
-    """The main kernel's launch order takes (kv head, batch) pairs in groups (pair_group in the kernel
-    header); the other tests' problems are small enough to fit one group. Force 1 (one pair after
-    another), 4 (9 pairs: 4, 4, 1, a smaller last group) and 0 (all interleaved): every order must give
-    correct gradients, dense and varlen, and deterministic mode the same bits under all three (its sums
-    run in K/V block order whatever the launch order). MLA_BWD_SM90_L2_GROUP is read once per process,
-    hence the subprocesses."""
-    import os
-    import subprocess
+def test_launch_groups(ext):
+    """The main kernel's launch order takes (kv head, batch) pairs in groups (pair_group in
+    fmha_bwd_sm90_scheduler.cuh); the other tests' problems are small enough to fit one group. Force 1 (one pair after
+    another), 4 (9 pairs: 4, 4, 1, a smaller last group) and 0 (all interleaved) through options["l2_group"]:
+    every order must give correct gradients, dense and varlen, and deterministic mode the same bits under all
+    three (its sums run in K/V block order whatever the launch order)."""
     digests = []
     for group in (1, 4, 0):
-        env = dict(os.environ, MLA_BWD_SM90_L2_GROUP=str(group))
-        r = subprocess.run([sys.executable, "-c", _GROUP_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
-                           capture_output=True, text=True, timeout=600, env=env)
-        assert r.returncode == 0 and "GROUP-OK" in r.stdout, \
-            f"group {group}: rc={r.returncode}: {r.stdout[-2000:]} {r.stderr[-3000:]}"
-        digests.append(r.stdout.split("GROUP-OK")[1].split()[0])
+        options = {"l2_group": group}
+        h = hashlib.sha256()
+        for (d, dv), (causal, br), det in itertools.product(DIMS, MASKS, (False, True)):
+            # 3 batches x 3 kv heads = 9 (kv head, batch) pairs: groups of 4 are 4, 4, 1
+            q, k, v = _inputs((3, 301, 6, d), (3, 250, 3, d), (3, 250, 3, dv), torch.bfloat16, seed=d + causal)
+            grads = _run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br,
+                                   deterministic=det, options=options)
+            if det:
+                for g in grads:
+                    h.update(g.view(torch.int16).cpu().numpy().tobytes())
+        lq, lk = [0, 130, 64, 257], [70, 200, 1, 300]
+        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+            q, k, v = _inputs((sum(lq), 4, d), (sum(lk), 2, d), (sum(lk), 2, dv), torch.bfloat16, seed=5)
+            _run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q,
+                           cu_k=cu_k, msq=max(lq), msk=max(lk), options=options)
+        digests.append(h.hexdigest())
     assert len(set(digests)) == 1, f"deterministic gradients differ between launch orders: {digests}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+def test_bwd_entry(ext, dims, causal):
+    """ext.bwd (no options, workspace not poisoned) gives the bits of the checked, poisoned bwd_with_options path
+    in deterministic mode, dense and varlen."""
+    d, dv_ = dims
+    scale = 1.0 / math.sqrt(d)
+    cases = [((2, 1024, 16, d), (2, 1024, 4, d), (2, 1024, 4, dv_), None, None, None, None)]
+    lq, lk = [0, 130, 1024, 257], [70, 1024, 1, 300]
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cases.append(((sum(lq), 8, d), (sum(lk), 2, d), (sum(lk), 2, dv_), cu_q, cu_k, max(lq), max(lk)))
+    for sq_, sk_, sv_, cq, ck, msq, msk in cases:
+        q, k, v = _inputs(sq_, sk_, sv_, torch.bfloat16, seed=21)
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale,
+                  causal=causal, bottom_right=False)
+        out, lse = reference.attention_forward(q.float(), k.float(), v.float(), **kw)
+        out = out.to(q.dtype)
+        dout = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(22)).to(q.dtype)
+        res = []
+        for entry in ("bwd", "bwd_with_options"):
+            grads = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEV) for t in (q, k, v)]
+            args = (dout, q, k, v, out, lse.contiguous(), *grads, cq, ck, msq, msk, scale, causal, False, True)
+            if entry == "bwd":
+                ext.bwd(*args)
+            else:
+                _bwd(ext, *args)
+            res.append(grads)
+        for name, a, b in zip(("dq", "dk", "dv"), *res):
+            assert torch.isfinite(a).all(), f"bwd {name}: non-finite values"
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"bwd and bwd_with_options differ in {name}"
 
 
 def test_zero_length(ext):

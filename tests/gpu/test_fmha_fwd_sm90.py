@@ -7,9 +7,9 @@ Tolerance: FlashAttention's rule, kernel error <= 2 x the error of plain PyTorch
 unwritten elements fail. lse is compared with an absolute tolerance (fp32 on both sides) and must
 be -inf exactly where the reference is.
 
-The kernel schedule can be forced with MLA_FWD_SM90_SCHED=0|1|2 (see csrc/sm90/fmha_fwd_sm90_kernel.cuh); run
-this file under each before changing a config default. bench/bench_kernels.py fwd times the kernel beside SDPA
-cuDNN; tools/kernel_smoke.py fwd runs one small case per head-dim pair and mask.
+Launch options (the L2 launch grouping) go through the module's test-only entry fwd_with_options(..., options);
+fwd itself is what mla_autograd calls. bench/bench_kernels.py fwd times the kernel beside SDPA cuDNN;
+tools/kernel_smoke.py fwd runs one small case per head-dim pair and mask.
 """
 from __future__ import annotations
 
@@ -70,7 +70,10 @@ def _rand(shape, dtype, g):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
 
 
-def _check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None, name=""):
+def _check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None, name="",
+           options=None):
+    """Run the kernel (ext.fwd, or ext.fwd_with_options when `options` is a dict) on NaN-poisoned out/lse and
+    compare with the reference; returns (out, lse)."""
     dtype = q.dtype
     dv = v.shape[-1]
     if cu_q is None:
@@ -81,7 +84,10 @@ def _check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, m
         Tq, Hq, _ = q.shape
         out = torch.full((Tq, Hq, dv), float("nan"), device=DEV, dtype=dtype)
         lse = torch.full((Hq, Tq), float("nan"), device=DEV, dtype=torch.float32)
-    ext.fwd(q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, bottom_right)
+    if options is None:
+        ext.fwd(q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, bottom_right)
+    else:
+        ext.fwd_with_options(q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, bottom_right, options)
     torch.cuda.synchronize()
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq, max_seqlen_k=msk,
               softmax_scale=scale, causal=causal, bottom_right=bottom_right)
@@ -192,57 +198,68 @@ try:
     print("NO-ERROR heads")
 except RuntimeError as e:
     print("RAISED heads:", "Hkv" in str(e))
+q = torch.randn(1, 16, 2, 128, device=dev, dtype=torch.bfloat16)
+out = torch.empty(1, 16, 2, 128, device=dev, dtype=torch.bfloat16)
+lse = torch.empty(1, 2, 16, device=dev)
+for name, opts, word in [("key", {"l2_grup": 1}, "l2_grup"), ("value", {"l2_group": -1}, "l2_group"),
+                         ("type", {"l2_group": True}, "l2_group")]:
+    try:
+        ext.fwd_with_options(q, q, q, out, lse, None, None, None, None, 0.1, False, False, opts)
+        print(f"NO-ERROR option {name}")
+    except RuntimeError as e:
+        print(f"RAISED option {name}:", word in str(e))
 """
 
 
 def test_rejects_bad_input(ext):
-    """Invalid shapes raise RuntimeError naming the argument. Run in a subprocess: a crash in the
-    host error path (seen once on the device toolchain) must not take the whole session down."""
+    """Invalid shapes and launch options raise RuntimeError naming the argument or option. Run in a subprocess:
+    a crash in the host error path (seen once on the device toolchain) must not take the whole session down."""
     import os
     import subprocess
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _REJECT_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"subprocess died (rc={r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}"
     assert "RAISED dims: True" in r.stdout and "RAISED heads: True" in r.stdout, r.stdout + r.stderr
-
-
-_L2_GROUP_SCRIPT = r"""
-import itertools, math, sys, torch
-sys.path.insert(0, sys.argv[1])
-import test_fmha_fwd_sm90 as t
-ext = t._load()
-g = torch.Generator(device="cuda").manual_seed(3)
-for (d, dv), (causal, br) in itertools.product([(192, 128), (128, 128), (64, 64)], t.MASKS):
-    # dense: 2 x 4 = 8 (head, batch) pairs, GQA 4:2
-    q = t._rand((2, 300, 4, d), torch.bfloat16, g)
-    k = t._rand((2, 517, 2, d), torch.bfloat16, g)
-    v = t._rand((2, 517, 2, dv), torch.bfloat16, g)
-    t._check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, name=f"l2 dense {d} {causal} {br}")
-    # varlen: 4 sequences (one empty) x 2 heads = 8 pairs, M-blocks past a sequence's end exit
-    lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
-    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device="cuda", dtype=torch.int32)
-    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device="cuda", dtype=torch.int32)
-    q = t._rand((sum(lq), 2, d), torch.bfloat16, g)
-    k = t._rand((sum(lk), 2, d), torch.bfloat16, g)
-    v = t._rand((sum(lk), 2, dv), torch.bfloat16, g)
-    t._check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
-             msq=max(lq), msk=max(lk), name=f"l2 varlen {d} {causal} {br}")
-print("L2-GROUP-OK")
-"""
+    for name in ("key", "value", "type"):
+        assert f"RAISED option {name}: True" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_l2_group_launch_order(group):
+def test_l2_group_launch_order(ext, group):
     """The launch order takes (head, batch) pairs in L2-sized groups (grouped_tile, sm90_attn_common.cuh); the other
-    tests' shapes fit one group, so force smaller ones: 8 pairs in groups of 3 (3, 3, 2: a smaller last
-    group) and of 1, dense and varlen, every dims pair and mask. MLA_FWD_SM90_L2_GROUP is read once per
-    process, hence the subprocess."""
-    import os
-    import subprocess
-    env = dict(os.environ, MLA_FWD_SM90_L2_GROUP=str(group))
-    r = subprocess.run([sys.executable, "-c", _L2_GROUP_SCRIPT, os.path.dirname(os.path.abspath(__file__))],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0 and "L2-GROUP-OK" in r.stdout, f"rc={r.returncode}: {r.stdout[-2000:]} {r.stderr[-3000:]}"
+    tests' shapes fit one group, so force smaller ones through fwd_with_options: 8 pairs in groups of 3 (3, 3, 2:
+    a smaller last group) and of 1, dense and varlen, every dims pair and mask."""
+    options = {"l2_group": group}
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+        # dense: 2 x 4 = 8 (head, batch) pairs, GQA 4:2
+        q = _rand((2, 300, 4, d), torch.bfloat16, g)
+        k = _rand((2, 517, 2, d), torch.bfloat16, g)
+        v = _rand((2, 517, 2, dv), torch.bfloat16, g)
+        _check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, options=options,
+               name=f"l2 {group} dense {d} {causal} {br}")
+        # varlen: 4 sequences (one empty) x 2 heads = 8 pairs, M-blocks past a sequence's end exit
+        lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
+        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        q = _rand((sum(lq), 2, d), torch.bfloat16, g)
+        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
+        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
+        _check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
+               msq=max(lq), msk=max(lk), options=options, name=f"l2 {group} varlen {d} {causal} {br}")
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+def test_options_empty(ext, dims, mask):
+    """fwd_with_options with no options (fwd's defaults), 16 heads at S=2048: two L2 groups at Dqk >= 128 on the H200."""
+    d, dv = dims
+    g = torch.Generator(device=DEV).manual_seed(9)
+    q = _rand((1, 2048, 16, d), torch.bfloat16, g)
+    k = _rand((1, 2048, 16, d), torch.bfloat16, g)
+    v = _rand((1, 2048, 16, dv), torch.bfloat16, g)
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], options={},
+           name=f"options {{}} {dims} {mask}")
 
 
 try:

@@ -1,4 +1,4 @@
-// Host-side check (no GPU needed) of the address formulas that fmha_bwd_sm90_kernel.cuh uses to
+// Host-side check (no GPU needed) of the address formulas that the kernel (fmha_bwd_sm90_common.cuh) uses to
 // keep its smem store addresses out of registers: the dQ block stores (store_dq_block: two bases +
 // compile-time offsets) and the swapped schedule's dS^T pair stores (one base, XOR of the 16-byte
 // unit index, + 1024 for row + 8). For every consumer thread it compares the formula with CuTe's own

@@ -1,0 +1,95 @@
+// Work decomposition and launch order of the SM90 fused attention backward's main kernel (family
+// fmha_bwd_sm90): what one CTA does (CtaWork, on the device) and how many (kv head, batch) pairs one launch
+// group takes (pair_group, on the host). fmha_bwd_sm90_kernel.cuh describes the whole.
+#pragma once
+
+#include "fmha_bwd_sm90_common.cuh"
+
+namespace fmha_bwd_sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------------------------------------
+// What one CTA of the main kernel does (uniform over the CTA).
+struct CtaWork {
+  Seq sq;
+  int n_block, hkv, b;
+  int m_min, n_m;    // M-blocks [m_min, m_min + n_m) of every query head of the group
+  int group, off;    // query heads per kv head; causal diagonal offset (Sk - Sq bottom-right, else 0)
+  int total_iters;   // group * n_m
+
+  // The first M-block whose steps need no mask; the steps of [m_min, first) need it. All steps of a
+  // K/V block that crosses seq_k do; under a causal mask the M-blocks holding a query that some key
+  // of the block must not see (key - off > query). Rows past seq_q need none (lse_log2 = +inf).
+  template <int BM, int BN>
+  __device__ __forceinline__ int first_unmasked_m(bool causal) const {
+    const int end = m_min + n_m;
+    if ((n_block + 1) * BN > sq.len_k) return end;
+    if (!causal) return m_min;
+    const int x = (n_block + 1) * BN - 1 - off;  // query q needs no mask iff q >= x
+    const int m = x <= 0 ? 0 : (x + BM - 1) / BM;
+    return m < m_min ? m_min : (m > end ? end : m);
+  }
+};
+
+// The (K/V block, kv head, batch) of this CTA in the launch order of p.pair_group. In deterministic
+// mode block n waits for block n-1's dQ adds of the same pair: every grouping dispatches n-1 first.
+__device__ __forceinline__ void cta_coords(const FmhaBwdSm90Params& p, int& n_block, int& hkv, int& b) {
+  const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const mla_sm90::GroupedTile t = mla_sm90::grouped_tile(lin, gridDim.y * gridDim.z, gridDim.x, p.pair_group);
+  n_block = t.rank;
+  hkv = t.pair % gridDim.y;
+  b = t.pair / gridDim.y;
+}
+
+// The CtaWork of this CTA. Called by each warpgroup role after its setmaxnreg, so that the values
+// are computed where they are used instead of living across the warpgroup split (held there, they
+// spilled under the producer's 24 registers).
+template <int BM, int BN>
+__device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int n_block, int hkv, int b) {
+  CtaWork w;
+  w.sq = get_seq<BM>(p, b);
+  w.n_block = n_block; w.hkv = hkv; w.b = b;
+  w.off = p.bottom_right ? w.sq.len_k - w.sq.len_q : 0;
+  const int m_max = (w.sq.len_q + BM - 1) / BM;
+  w.m_min = 0;
+  if (p.causal) {
+    int x = n_block * BN - w.off;
+    w.m_min = x <= 0 ? 0 : x / BM;
+  }
+  w.n_m = m_max > w.m_min ? m_max - w.m_min : 0;
+  w.group = p.hq / p.hkv;
+  w.total_iters = w.group * w.n_m;
+  return w;
+}
+
+// ------------------------------------------------------------------------------------------------
+// (kv head, batch) pairs per launch group of the main kernel (FmhaBwdSm90Params::pair_group).
+// - Not causal: every CTA does the same work; one pair after another keeps that pair's Q/dO and dQ
+//   accumulator hot in L2 while its K/V blocks run.
+// - Causal, deterministic: every pair interleaved, so block n-1 (whose dQ adds block n waits for) runs
+//   a whole round earlier: on the H200 that took 192/128 from 226 to 305 TF/s and 128/128 from 279 to 438.
+// - Causal: work falls with the K/V block index. One pair after another starts each pair's longest CTA
+//   last, so the grid's last wave is uneven; every pair interleaved streams all heads' Q/dO at once. In
+//   between: groups of pairs whose Q, dO and fp32 dQ accumulator fit in a share of the L2, longest block
+//   first inside a group; a power of two, so that groups divide the usual head counts (a small last group
+//   brings the uneven tail back). H200, B=2 H=16 S=8192, kernel TF/s (one run; cuDNN moved 453-473 / 514-538
+//   between the processes): pairs per group 1 / 2 / 3 / 4 / 6 / all:
+//   192/128 443 / 456 / 455 / 457 / 450 / 419; 128/128 528 / 541 / 542 / 556 / 531 / 526.
+// `forced` (FmhaBwdSm90Options::pair_group, from bwd_with_options) overrides it: N pairs per group, 0 all
+// pairs interleaved; negative: this choice.
+inline int pair_group(const FmhaBwdSm90Params& p, int forced) {
+  const int pairs = p.hkv * p.batch;
+  if (forced == 0) return pairs;
+  if (forced > 0) return forced < pairs ? forced : pairs;
+  if (!p.causal) return 1;
+  if (p.deterministic) return pairs;
+  const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
+                          ((p.head_dim + p.head_dim_v) * 2.0 + p.head_dim * 4.0);
+  const double fit = per_pair > 0 ? kFmhaBwdSm90L2GroupShare * mla_sm90::device_l2_bytes() / per_pair : pairs;
+  int g = 1;
+  while (2 * g <= fit && 2 * g <= pairs) g *= 2;
+  return g;
+}
+
+}  // namespace fmha_bwd_sm90

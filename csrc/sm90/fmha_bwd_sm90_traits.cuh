@@ -1,0 +1,163 @@
+// Main-kernel traits of the SM90 fused attention backward (family fmha_bwd_sm90): tiles, smem layouts, TMA
+// and MMA types, the kernel arguments, the named barriers and the PTX helpers that the producer and the
+// consumer warpgroups share (fmha_bwd_sm90_kernel.cuh describes the whole).
+#pragma once
+
+#include "fmha_bwd_sm90_common.cuh"
+
+namespace fmha_bwd_sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------------------------------------
+// Main kernel traits.
+template <class Element_, int D_, int DV_>
+struct Traits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  using Cfg = FmhaBwdSm90Config<D_, DV_>;
+  static constexpr int D = D_, DV = DV_;
+  static constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, Stages = Cfg::kStages;
+  static constexpr bool Swap = Cfg::kSwapSdP;
+  static constexpr int kThreads = 384;
+  static_assert(!Swap || BN == 128, "swapped: the two consumer WGs own 64 keys each");
+  static_assert(BM == 64, "one 64-row wgmma atom per M-block");
+  static_assert(D % 64 == 0 && DV % 64 == 0, "head dims multiple of 64");
+  static_assert((BN / 2) % 8 == 0 && (D / 2) % 16 == 0, "per-WG N tiles");
+
+  using BMt = Int<BM>; using BNt = Int<BN>; using Dt = Int<D>; using DVt = Int<DV>;
+
+  // smem layouts. Q, dO, V: K-major SW128. K: K-major with a swizzle whose width divides D/2 (the
+  // dQ GEMM reads K as an MN-major operand split at D/2 between the WGs). P^T, dS^T: (BN, BM)
+  // K-major SW128 (keys x queries), read K-major by dV/dK and MN-major (as P, dS) by dQ.
+  using AtomSW128 = decltype(GMMA::Layout_K_SW128_Atom<Element>{});
+  using AtomK = std::conditional_t<(D / 2) % 64 == 0, decltype(GMMA::Layout_K_SW128_Atom<Element>{}),
+                                   decltype(GMMA::Layout_K_SW64_Atom<Element>{})>;
+  using SmemLayoutQ = decltype(tile_to_shape(AtomSW128{}, make_shape(BMt{}, Dt{}, Int<Stages>{})));
+  using SmemLayoutdO = decltype(tile_to_shape(AtomSW128{}, make_shape(BMt{}, DVt{}, Int<Stages>{})));
+  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, make_shape(BNt{}, Dt{})));
+  using SmemLayoutV = decltype(tile_to_shape(AtomSW128{}, make_shape(BNt{}, DVt{})));
+  using SmemLayoutPt = decltype(tile_to_shape(AtomSW128{}, make_shape(BNt{}, BMt{})));
+  // transposed views
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(make_shape(Dt{}, BMt{}, Int<Stages>{}),
+                                                                       make_stride(BMt{}, _1{}, Int<BM * D>{}))));
+  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_layout(make_shape(DVt{}, BMt{}, Int<Stages>{}),
+                                                                         make_stride(BMt{}, _1{}, Int<BM * DV>{}))));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(make_shape(Dt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
+  using SmemLayoutP = decltype(composition(SmemLayoutPt{}, make_layout(make_shape(BMt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
+  using SmemLayoutVt = decltype(composition(SmemLayoutV{}, make_layout(make_shape(DVt{}, BNt{}),
+                                                                       make_stride(BNt{}, _1{}))));
+
+  // Transposing stmatrix for P^T / dS^T and the dK^T / dV^T epilogue: four 8x8 blocks (16 columns of a
+  // WG's N tile) per instruction where N / 2 allows, else two.
+  using StsmT = std::conditional_t<(BN / 2) % 16 == 0, SM90_U16x8_STSM_T, SM90_U16x4_STSM_T>;
+  using AtomLayout = Layout<Shape<_1, _2, _1>>;  // two consumer WGs along N
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN / 2>, _16>, GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayout{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<BN / 2>, _16>, GMMA::Major::MN, GMMA::Major::K>(),
+      AtomLayout{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<D / 2>, _16>, GMMA::Major::MN, GMMA::Major::MN>(),
+      AtomLayout{}));
+  // Swapped schedule: the WGs split M = BN (keys). S^T = K Q^T, dP^T = V dO^T (SS);
+  // dV = P^T dO, dK = dS^T Q (RS: P^T/dS^T from registers, dO/Q read MN-major as dO^T/Q^T).
+  using AtomLayoutKeys = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaSdPt = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, BMt, _16>, GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutKeys{}));
+  using TiledMmadVs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, DVt, _16>, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+  using TiledMmadKs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Dt, _16>, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> pt;   // swapped: the second dS^T buffer
+    array_aligned<Element, cosize_v<SmemLayoutPt>, 1024> dst;
+    array_aligned<float, BM * D, 128> dq;  // fp32 dQ of one M-block, dq_store_pos layout
+    // swapped only: lse_log2 / dpsum of each stage's M-block (the unswapped schedule reads them from
+    // global memory; one element keeps the smem budget at BN = 112)
+    array_aligned<float, Swap ? Stages * BM : 1, 128> lse;
+    array_aligned<float, Swap ? Stages * BM : 1, 128> dps;
+    alignas(8) uint64_t full_bar[Stages];
+    alignas(8) uint64_t empty_bar[Stages];
+    alignas(8) uint64_t kv_bar;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+
+  static constexpr uint32_t kBytesQ = BM * D * sizeof(Element);
+  static constexpr uint32_t kBytesdO = BM * DV * sizeof(Element);
+  static constexpr uint32_t kBytesRowStats = Swap ? 2 * BM * sizeof(float) : 0;  // lse + dpsum per stage
+  static constexpr uint32_t kBytesK = BN * D * sizeof(Element);
+  static constexpr uint32_t kBytesV = BN * DV * sizeof(Element);
+
+  // gmem view of q/k/v/dout for TMA: (rows, dim, head, batch)
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemLayout = Layout<GmemShape, GmemStride>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutQ{}), Shape<BMt, Dt>{}, _1{}));
+  using TmadO = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       take<0, 2>(SmemLayoutdO{}), Shape<BMt, DVt>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutK{}, Shape<BNt, Dt>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
+  // dK / dV stores (store_dkv_tma): the K / V tiles' smem layouts, reused as staging
+  using TmadK = decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutK{}, Shape<BNt, Dt>{}, _1{}));
+  using TmadV = decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
+};
+
+template <class Tr>
+struct MainArgs {
+  FmhaBwdSm90Params p;
+  typename Tr::TmaQ tma_q;
+  typename Tr::TmadO tma_do;
+  typename Tr::TmaK tma_k;
+  typename Tr::TmaV tma_v;
+  typename Tr::TmadK tma_dk;  // valid when p.dkv_tma
+  typename Tr::TmadV tma_dv;
+  typename Tr::GmemShape shape_q, shape_do, shape_k, shape_v;
+};
+
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Named barriers (CUTLASS adds its reserved count). DqEmpty/DqFull: 256 consumers + the reducer warp.
+enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
+constexpr int kDqBarThreads = 256 + 32;
+
+__device__ __forceinline__ void st_shared_u32_addr(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(const float* smem_ptr, float4 v) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(cute::cast_smem_ptr_to_uint(smem_ptr)), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :
+               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+}  // namespace fmha_bwd_sm90
