@@ -18,12 +18,14 @@ import math
 import pytest
 import torch
 
+from mla_autograd import _kernels
+
 pytestmark = pytest.mark.gpu
 
-_CAP_OK = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+_CAP_OK = torch.cuda.is_available() and _kernels.FAMILIES["fmha_fwd_sm100"].serves(torch.cuda.get_device_capability())
 if not _CAP_OK:
-    pytest.skip("fmha_fwd_sm100/fmha_bwd_sm100 need an SM100 GPU (compute capability 10.x; built for sm_100a only)",
-                allow_module_level=True)
+    pytest.skip("fmha_fwd_sm100/fmha_bwd_sm100 need an SM100 GPU (compute capability "
+                f"{_kernels.FAMILIES['fmha_fwd_sm100'].capability_text()}, built for sm_100f)", allow_module_level=True)
 
 from mla_autograd import reference  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
