@@ -210,7 +210,7 @@ def load_family(name: str, *, verbose: bool = False, ptxas_verbose: bool = False
                 print(f"mla_autograd: {name} is already built in {build_dir}: no ptxas report "
                       f"(delete that folder to rebuild with one)", file=sys.stderr, flush=True)
             if not marker.exists():
-                print(f"mla_autograd: building {name} for {' '.join(fam.archs)} (first use; cached in {build_dir})",
+                print(f"mla_autograd: building {name} for {' '.join(fam.targets)} (first use; cached in {build_dir})",
                       file=sys.stderr, flush=True)
             # torch's own build lock (build_dir/lock, FileBaton in older torch) is left behind when a
             # build is killed, and then every later load waits on it forever. Under our lock no other

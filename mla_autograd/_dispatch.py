@@ -186,6 +186,10 @@ TABLE: tuple[Route, ...] = (
     Route("decode", "reference", None, note="pure PyTorch"),
 )
 
+for _row in TABLE:  # a row may send an op only to a family that implements it
+    if _row.family is not None and _row.op not in FAMILIES[_row.family].ops:
+        raise AssertionError(f"dispatch row {_row.backend}: {_row.family} does not implement {_row.op}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:

@@ -87,8 +87,6 @@ class Family:
     ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "decode").
     dims: head-dim pairs it serves: (Dqk, Dv) for attention, (Dc, Dr) for decode.
     dtypes: input dtypes it serves.
-    run_on: where its code has been run, for the support matrix and explain() (a build target that was
-        never run on hardware says so here).
     """
 
     name: str
@@ -97,16 +95,10 @@ class Family:
     ops: tuple[str, ...]
     dims: frozenset
     dtypes: frozenset
-    run_on: str
 
     def __post_init__(self):
         for t in self.targets:
             Target(t)  # validates the name
-
-    @property
-    def archs(self) -> tuple[str, ...]:
-        """The build targets by name (``sm_90a``, ``compute_90``, ...)."""
-        return self.targets
 
     def target_objects(self) -> tuple[Target, ...]:
         return tuple(Target(t) for t in self.targets)
@@ -146,20 +138,20 @@ _HALF = frozenset({torch.bfloat16, torch.float16})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("fmha_fwd_sm90", "sm90", ("sm_90a",), ("attn_fwd",),
-           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF, run_on="H200 (9.0)"),
+           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
     Family("fmha_bwd_sm90", "sm90", ("sm_90a",), ("attn_bwd",),
-           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF, run_on="H200 (9.0)"),
+           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
     # Family SASS: one cubin loads on B200/GB200 (10.0) and B300/GB300 (10.3). CUTLASS example 77's
     # kernels compile for sm_100a or sm_100f alike (both enable tcgen05/TMEM).
     Family("fmha_fwd_sm100", "sm100", ("sm_100f",), ("attn_fwd",),
-           frozenset({(192, 128), (128, 128)}), _HALF, run_on="never run on hardware"),
+           frozenset({(192, 128), (128, 128)}), _HALF),
     Family("fmha_bwd_sm100", "sm100", ("sm_100f",), ("attn_bwd",),
-           frozenset({(192, 128), (128, 128)}), _HALF, run_on="never run on hardware"),
+           frozenset({(192, 128), (128, 128)}), _HALF),
     # mma.sync/cp.async/ldmatrix code: native sm_80 (8.x) and sm_90 cubins, plus compute_90 PTX for newer
     # GPUs (10.x, 12.x). The PTX is compute_90, not compute_80, because the host enables programmatic
     # dependent launch on >= 9.0 and only code compiled for >= 9.0 contains the griddepcontrol.wait that
     # makes that safe.
     Family("mla_decode_sm80", "sm80", ("sm_80", "sm_90", "compute_90"), ("decode",),
-           frozenset({(512, 64)}), _HALF, run_on="H200 (9.0); not run on 8.x, 10.x or 12.x"),
+           frozenset({(512, 64)}), _HALF),
 )}
 

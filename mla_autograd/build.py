@@ -66,10 +66,6 @@ def missing_images(fam, path: str, cuobjdump: str) -> list[str]:
     return missing
 
 
-def _loaded_module(name: str):
-    return load_family(name)  # cached after the build above
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mla_autograd.build", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="*", default=None,
@@ -101,19 +97,19 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.time()
         try:
-            load_family(fam.name, verbose=args.ptxas_verbose, ptxas_verbose=args.ptxas_verbose)
+            module = load_family(fam.name, verbose=args.ptxas_verbose, ptxas_verbose=args.ptxas_verbose)
         except Exception as exc:  # the compiler's output is in the exception text
             print(f"FAIL {fam.name} ({time.time() - t0:.0f} s):\n{exc}")
             failed.append(fam.name)
             continue
-        print(f"OK   {fam.name} for {' '.join(fam.archs)} ({time.time() - t0:.0f} s)")
+        print(f"OK   {fam.name} for {' '.join(fam.targets)} ({time.time() - t0:.0f} s)")
         if args.check_images:
             tool = find_cuobjdump()
             if tool is None:
                 print(f"FAIL {fam.name}: --check-images needs cuobjdump (CUDA toolkit or Triton)")
                 failed.append(fam.name)
                 continue
-            path = getattr(_loaded_module(fam.name), "__file__", None)
+            path = getattr(module, "__file__", None)
             lacks = missing_images(fam, path, tool) if path else ["(module file not found)"]
             if lacks:
                 print(f"FAIL {fam.name}: {path} has no image for {' '.join(lacks)}")

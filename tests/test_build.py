@@ -31,7 +31,7 @@ def test_fingerprint_changes_with_sources_and_flags(tmp_path, monkeypatch):
     src = tmp_path / "x" / "fam_a.cu"
     src.write_text("// v1\n")
     monkeypatch.setattr(_build, "csrc_dir", lambda: tmp_path)
-    fam = _build.Family("fam_a", "x", ("sm_90a",), ("attn_fwd",), frozenset(), frozenset(), run_on="")
+    fam = _build.Family("fam_a", "x", ("sm_90a",), ("attn_fwd",), frozenset(), frozenset())
     a = _build._fingerprint(fam, ("flags",))
     assert a == _build._fingerprint(fam, ("flags",))
     assert a != _build._fingerprint(fam, ("other",))

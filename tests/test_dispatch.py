@@ -385,3 +385,11 @@ def test_forward_records_no_call_site_without_grad(monkeypatch):
     assert calls == []
     M.attention(q, q, q)
     assert calls == [1]
+
+
+def test_every_kernel_row_names_a_family_that_implements_its_op():
+    for row in _dispatch.TABLE:
+        if row.family is not None:
+            assert row.op in _build.FAMILIES[row.family].ops, (row.backend, row.family)
+    served = {row.op for row in _dispatch.TABLE if row.family is not None}
+    assert served == {op for fam in _build.FAMILIES.values() for op in fam.ops}
