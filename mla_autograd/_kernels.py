@@ -87,6 +87,10 @@ class Family:
     ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "decode").
     dims: head-dim pairs it serves: (Dqk, Dv) for attention, (Dc, Dr) for decode.
     dtypes: input dtypes it serves.
+    guards_values: its kernels are memory-safe for any values inside the length and page tensors
+        (cu_seqlens, block_table, cache_seqlens): they clamp them on the device, so calls need no value check
+        (and no host sync). For a family without it, the call checks the values first (one device reduction and
+        an 8-byte copy) unless MLA_AUTOGRAD_CHECK_VALUES=0.
     """
 
     name: str
@@ -95,6 +99,7 @@ class Family:
     ops: tuple[str, ...]
     dims: frozenset
     dtypes: frozenset
+    guards_values: bool = True
 
     def __post_init__(self):
         for t in self.targets:
@@ -143,10 +148,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
     # Family SASS: one cubin loads on B200/GB200 (10.0) and B300/GB300 (10.3). CUTLASS example 77's
     # kernels compile for sm_100a or sm_100f alike (both enable tcgen05/TMEM).
+    # CUTLASS example 77's kernels read cu_seqlens as given: the calls check the values (guards_values=False).
     Family("fmha_fwd_sm100", "sm100", ("sm_100f",), ("attn_fwd",),
-           frozenset({(192, 128), (128, 128)}), _HALF),
+           frozenset({(192, 128), (128, 128)}), _HALF, guards_values=False),
     Family("fmha_bwd_sm100", "sm100", ("sm_100f",), ("attn_bwd",),
-           frozenset({(192, 128), (128, 128)}), _HALF),
+           frozenset({(192, 128), (128, 128)}), _HALF, guards_values=False),
     # mma.sync/cp.async/ldmatrix code: native sm_80 (8.x) and sm_90 cubins, plus compute_90 PTX for newer
     # GPUs (10.x, 12.x). The PTX is compute_90, not compute_80, because the host enables programmatic
     # dependent launch on >= 9.0 and only code compiled for >= 9.0 contains the griddepcontrol.wait that

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _build, reference
+from . import _build, _validate, reference
+from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
 
 __all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention_call", "decode_call",
@@ -96,6 +97,19 @@ def _new_out(q: Tensor, v: Tensor, family: str, max_rows_q: int) -> Tensor:
     return q.new_empty(pad + math.prod(shape))[pad:].view(shape)
 
 
+def _check_values_before_kernel(family: str, q: Tensor, k: Tensor, cu_seqlens_q: Optional[Tensor],
+                                cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                deterministic: bool = False) -> None:
+    """The value checks of a varlen call that its kernel needs (by default no call checks values, see
+    _validate): a family whose kernels read cu_seqlens unclamped (Family.guards_values false), and the
+    deterministic backward, whose ordered dQ reduction waits on per-block counters that sequences overlapping
+    each other (a decreasing cu_seqlens) would never complete. MLA_AUTOGRAD_CHECK_VALUES=0 skips these too."""
+    if cu_seqlens_q is None or (FAMILIES[family].guards_values and not deterministic):
+        return
+    if _validate.check_values_enabled(q, cu_seqlens_q, cu_seqlens_k):
+        _validate.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+
+
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
              bottom_right: bool) -> tuple[Tensor, Tensor]:
@@ -109,6 +123,7 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
         return reference.attention_forward(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right)
+    _check_values_before_kernel(d.family, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     out = _new_out(q, v, d.family, max_seqlen_q if varlen else q.shape[1])
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
@@ -143,6 +158,8 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal, bottom_right=bottom_right)
+    _check_values_before_kernel(d.family, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                deterministic)
     # dout from autograd may be expanded (stride 0) or strided: kernels take a dense copy.
     dout = dout.contiguous()
     q, k, v, out = (_kernel_ready(t) for t in (q, k, v, out))

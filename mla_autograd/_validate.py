@@ -1,19 +1,23 @@
 """Input validation for the public API. Every error names the argument; nothing is computed before.
 
-Shape, dtype, device and stride checks read metadata only. Checks that read tensor values
-(cu_seqlens monotone and consistent, block_table entries in range, cache_seqlens within capacity)
-are computed on the inputs' device into one small int64 result, and only that is copied to the host:
-one device-to-host copy of 8 bytes per call, which on a GPU is a synchronisation of the current
-stream (the host waits for all work queued before the call). The precise error (which entry, its
-value) is then read with further small copies, only when a check has failed. The helpers here make
-every tensor on the device of their inputs (never on the default device: they run unchanged under
-``with torch.device(...)``).
+Shape, dtype, device and stride checks read metadata only, and every call makes them. Checks that read
+tensor values (cu_seqlens monotone and consistent, block_table entries in range, cache_seqlens within
+capacity) are made on request: they are computed on the inputs' device into one small int64 result, and
+only that is copied to the host: one device-to-host copy of 8 bytes per call, which on a GPU is a
+synchronisation of the current stream (the host waits for all work queued before the call). The precise
+error (which entry, its value) is then read with further small copies, only when a check has failed. The
+helpers here make every tensor on the device of their inputs (never on the default device: they run
+unchanged under ``with torch.device(...)``).
 
-Which calls check values: attention_varlen when VARLEN_CHECK_VALUES (default True), decode when its
-``check_values`` argument says so (default DECODE_CHECK_VALUES, True). MLA_AUTOGRAD_CHECK_VALUES
-overrides both: ``0`` (or empty) never checks, any other value (``1``) checks every call, decode calls
-that pass check_values=False included. The checks are always skipped while torch.compile traces or a
-CUDA graph is being captured (a host copy is impossible there).
+Which calls check values: by default none (VARLEN_CHECK_VALUES and DECODE_CHECK_VALUES are False), since a
+host synchronisation per call would cost the public calls up to several times their kernels' time in decode
+loops. Instead the kernels are memory-safe for any values (they clamp lengths, offsets and page ids on the
+device; mla_autograd.attention_varlen and mla_autograd.decode say what a request with bad values computes),
+and so is the reference path. Calls check values when they pass ``check_values=True``, and where a kernel
+needs it (_ops: families without Family.guards_values, the deterministic varlen backward).
+MLA_AUTOGRAD_CHECK_VALUES overrides the argument: ``0`` (or empty) never checks, any other value (``1``)
+checks every call. The checks are always skipped while torch.compile traces or a CUDA graph is being
+captured (a host copy is impossible there).
 """
 from __future__ import annotations
 
@@ -62,12 +66,13 @@ def _same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
         raise TypeError(f"{name} has dtype {_name(t.dtype)} but {ref_name} has {_name(ref.dtype)}")
 
 
-#: Whether attention_varlen checks the values of cu_seqlens_q / cu_seqlens_k against the packed token
-#: counts and max_seqlen_q / max_seqlen_k (one small device-to-host copy per call, see the module docstring).
-VARLEN_CHECK_VALUES = True
+#: The default of attention_varlen's ``check_values`` argument: the values of cu_seqlens_q / cu_seqlens_k
+#: against the packed token counts and max_seqlen_q / max_seqlen_k (one small device-to-host copy per call,
+#: see the module docstring).
+VARLEN_CHECK_VALUES = False
 #: The default of decode's ``check_values`` argument (cache_seqlens within capacity, used block_table
 #: entries in range; one small device-to-host copy per call).
-DECODE_CHECK_VALUES = True
+DECODE_CHECK_VALUES = False
 
 
 def tracing_or_capturing(*tensors: torch.Tensor) -> bool:
@@ -159,17 +164,21 @@ def check_explain(q, k, v, varlen: bool) -> None:
         check_attention(q, k, v)
 
 
-def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           check_values: bool = VARLEN_CHECK_VALUES) -> None:
     """Packed q (Tq, Hq, Dqk), k (Tk, Hkv, Dqk), v (Tk, Hkv, Dv), cu_seqlens int32 (B+1,)."""
     _check_qkv(q, k, v, 3)
-    _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q, q.shape[0], k.shape[0])
+    _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q, q.shape[0], k.shape[0],
+                          check_values)
 
 
 def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ref_name: str,
-                          ref: torch.Tensor, total_q: int, total_k: int) -> None:
-    """cu_seqlens_q/k int32 (B+1,) on ref's device, starting at 0, non-decreasing, ending at the packed
-    token counts total_q / total_k; max_seqlen_q/k ints at least the longest sequence. The value checks
-    are computed on ref's device and cost one 8-byte device-to-host copy (see the module docstring)."""
+                          ref: torch.Tensor, total_q: int, total_k: int, check_values: bool) -> None:
+    """cu_seqlens_q/k int32 (B+1,) on ref's device; max_seqlen_q/k non-negative ints. With
+    check_values_enabled(requested=check_values) also their values (check_varlen_values), at the cost of one
+    8-byte device-to-host copy (see the module docstring)."""
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool, got {type(check_values).__name__}")
     for n, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(n, cu, 1)
         if cu.dtype != torch.int32:
@@ -183,9 +192,16 @@ def _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                          f"{cu_seqlens_k.numel()}) must both have length batch_size + 1")
     for n, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _check_count(n, m)
-    if check_values_enabled(ref, cu_seqlens_q, cu_seqlens_k, requested=VARLEN_CHECK_VALUES):
-        _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
-                                  ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)))
+    if check_values_enabled(ref, cu_seqlens_q, cu_seqlens_k, requested=check_values):
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+
+
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,
+                        max_seqlen_k: int) -> None:
+    """cu_seqlens_q/k start at 0, are non-decreasing and end at the packed token counts total_q / total_k;
+    max_seqlen_q/k are at least the longest sequence. Raises ValueError naming the first bad entry."""
+    _check_cu_seqlens_values((("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+                              ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)))
 
 
 def _check_cu_seqlens_values(specs) -> None:
@@ -285,12 +301,12 @@ def check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, varlen: bool) -> None:
 
 
 def check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k) -> None:
+                               max_seqlen_k, check_values: bool = VARLEN_CHECK_VALUES) -> None:
     """Packed q_nope (Tq, Hq, Dn), q_pe (Tq, Hq, Dr), k_nope (Tk, Hkv, Dn), k_pe (Tk, 1 or Hkv, Dr),
     v (Tk, Hkv, Dv); cu_seqlens as in check_attention_varlen."""
     _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 3)
     _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q_nope", q_nope,
-                          q_nope.shape[0], k_nope.shape[0])
+                          q_nope.shape[0], k_nope.shape[0], check_values)
 
 
 def check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale, *,

@@ -53,7 +53,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_a
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      causal_align: str = "bottom_right", softmax_scale: float | None = None,
-                     deterministic: bool = False, return_lse: bool = False):
+                     deterministic: bool = False, return_lse: bool = False,
+                     check_values: bool = V.VARLEN_CHECK_VALUES):
     """Attention over packed variable-length sequences (no padding).
 
     Args:
@@ -62,17 +63,28 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             and ending at Tq / Tk; sequence b is rows cu[b]:cu[b+1]. Lengths may be 0.
         max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence (they size kernel grids).
         Keywords as in `attention`; the causal offset is taken per sequence.
+        check_values: check the rules above on the device (cu_seqlens_*[0] == 0, non-decreasing,
+            cu_seqlens_*[-1] == Tq / Tk, max_seqlen_* >= the longest sequence) and raise a ValueError
+            naming the first bad entry before anything runs. One int64 result is copied to the host: 8
+            bytes, but on a GPU a synchronisation (the host waits for the work queued before the call), so
+            it is off by default. MLA_AUTOGRAD_CHECK_VALUES overrides it (``1`` checks every call, ``0``
+            none); skipped while torch.compile traces or a CUDA graph is captured.
 
     Returns:
         out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32.
 
-    Value checks: cu_seqlens_*[0] == 0, non-decreasing, cu_seqlens_*[-1] == Tq / Tk, max_seqlen_* >= the
-    longest sequence. They are computed on q's device into one int64 and that one value is copied to the
-    host: 8 bytes, but on a GPU a synchronisation (the host waits for the work queued before the call).
-    On by default; MLA_AUTOGRAD_CHECK_VALUES=0 turns them off (the caller then guarantees these rules);
-    skipped while torch.compile traces or a CUDA graph is captured.
+    Values that break the rules never make a kernel read or write outside these tensors. Every path (the
+    SM90 kernels and the reference) takes sequence b as rows [s, s + n) with s = cu[b] clamped into
+    [0, T], its end cu[b + 1] clamped into [s, T], and n cut at max_seqlen: a decreasing pair gives an
+    empty sequence, rows past the end are dropped, a sequence longer than max_seqlen keeps its first
+    max_seqlen rows (queries) or keys. Rows of out and lse that no sequence covers are not written (their
+    contents are unspecified), and their gradients are 0. Sequences that overlap (after a decreasing
+    cu_seqlens) are computed independently and race where they overlap. Two calls check the values whatever
+    check_values says, because their kernels need it: the deterministic backward (its ordered dQ
+    reduction cannot complete for overlapping sequences) and the SM100 kernels, which read cu_seqlens as
+    given.
     """
-    V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
@@ -163,7 +175,8 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
 def mla_attention_varlen(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                          causal_align: str = "bottom_right", softmax_scale: float | None = None,
-                         deterministic: bool = False, return_lse: bool = False):
+                         deterministic: bool = False, return_lse: bool = False,
+                         check_values: bool = V.VARLEN_CHECK_VALUES):
     """`mla_attention` over packed variable-length sequences (no padding).
 
     Args:
@@ -172,13 +185,14 @@ def mla_attention_varlen(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Ten
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q_nope's device, cumulative lengths starting at 0
             and ending at Tq / Tk; lengths may be 0.
         max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence.
-        Keywords as in `mla_attention`; the causal offset is taken per sequence.
+        Keywords as in `mla_attention`; the causal offset is taken per sequence. check_values, and what
+        values that break these rules compute: as in `attention_varlen`.
 
     Returns:
         out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32 (float64 for float64 inputs).
     """
     V.check_mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                 max_seqlen_k)
+                                 max_seqlen_k, check_values)
     scale = V.softmax_scale_or_default(softmax_scale, q_nope.shape[-1] + q_pe.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
     out, lse = _mla_dispatch(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
@@ -211,8 +225,8 @@ def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> 
     lengths tensor (data pointer differs) or if cache_seqlens was modified in place since (its version
     counter changed). An inference tensor (created under torch.inference_mode) has no version counter:
     for one, the schedule keeps a device copy of the lengths (B int32, copied on the device, no sync) and
-    an in-place change is detected only by decode calls that check values (check_values=True, the default,
-    or MLA_AUTOGRAD_CHECK_VALUES=1), in their one host copy; decode(check_values=False) cannot see it.
+    an in-place change is detected only by decode calls that check values (check_values=True or
+    MLA_AUTOGRAD_CHECK_VALUES=1), in their one host copy; the default decode(check_values=False) cannot see it.
     None of this is checked under torch.compile or CUDA-graph capture. In a captured decode step, compute
     the schedule inside the graph (it is then recomputed at every replay) or recompute it before every
     replay.
@@ -247,13 +261,12 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
         return_lse: also return lse (B, H, Sq) float32.
         check_values: check that every cache_seqlens[b] is 0 or in [Sq, max_pages * page_size] and that
             the block_table entries in use (column p of row b while p * page_size < cache_seqlens[b]) are
-            page indices in [0, num_pages). Computed on the device into one int64, of which only that one
-            value is copied to the host: 8 bytes, but on a GPU a synchronisation per call (the host waits
-            for the work queued before it), which costs a decode step far more than the kernel itself.
-            Default True. Pass False when the caller keeps them valid by construction, as ``nn.MLACache``
-            does, to keep decode steps free of host syncs. MLA_AUTOGRAD_CHECK_VALUES overrides this
-            argument: ``0`` never checks, ``1`` checks every call, check_values=False ones included. The
-            checks are always skipped under torch.compile and CUDA-graph capture.
+            page indices in [0, num_pages), and raise a ValueError naming the first bad entry before anything
+            runs. Computed on the device into one int64, of which only that one value is copied to the host:
+            8 bytes, but on a GPU a synchronisation per call (the host waits for the work queued before it),
+            which costs a decode step far more than the kernel itself: off by default.
+            MLA_AUTOGRAD_CHECK_VALUES overrides this argument: ``0`` never checks, ``1`` checks every call.
+            The checks are always skipped under torch.compile and CUDA-graph capture.
         schedule: a DecodeSchedule from ``decode_schedule(cache_seqlens, seqlen_q=Sq, num_heads=H)``
             for this very cache_seqlens tensor, unchanged since (recompute it every decode step). Skips
             the kernel's own scheduling launch; results are bit-identical to ``schedule=None``. The
@@ -263,6 +276,13 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
 
     Returns:
         out (B, Sq, H, Dc) in q_nope's dtype [, lse], on q_nope's device.
+
+    Values that break the rules of check_values never make a kernel read or write outside these tensors.
+    Every path (kernel and reference) computes a request with bad values as follows: its length is
+    cache_seqlens[b] clamped into [0, max_pages * page_size] (a negative one is an idle slot); a block_table
+    entry in use outside [0, num_pages) reads as a page of zeros (those positions get score 0 and value 0);
+    with causal and 0 < cache_seqlens[b] < Sq, a new token that sees no position gets out 0 and lse -inf.
+    Nothing is written outside out and lse.
     """
     V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
                    check_values=check_values, schedule=schedule)

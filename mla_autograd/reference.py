@@ -106,9 +106,19 @@ def _bwd_dense(do, q, k, v, o, lse, scale, causal, bottom_right):
     return dq, dk, dv
 
 
-def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+def _segments(cu: torch.Tensor, rows: int, max_len: int | None) -> list[tuple[int, int]]:
+    """Row range [start, end) of each sequence of a packed batch, by the kernels' rule for any values
+    (mla_autograd.attention_varlen): cu[b] clamped into [0, rows], cu[b + 1] into [start, rows], the length
+    cut at max_len. For valid cu_seqlens, exactly [cu[b], cu[b + 1])."""
     c = cu.tolist()
-    return list(zip(c[:-1], c[1:]))
+    out = []
+    for a, e in zip(c[:-1], c[1:]):
+        s = min(max(a, 0), rows)
+        e = min(max(e, s), rows)
+        if max_len is not None:
+            e = min(e, s + max(max_len, 0))
+        out.append((s, e))
+    return out
 
 
 def attention_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -122,7 +132,8 @@ def attention_forward(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
     Tq, Hq, _ = q.shape
     out = qc.new_zeros(Tq, Hq, v.shape[-1])
     lse = qc.new_full((Hq, Tq), float("-inf"))
-    for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+    for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q, Tq, max_seqlen_q),
+                                  _segments(cu_seqlens_k, k.shape[0], max_seqlen_k)):
         o, l = _fwd_dense(qc[None, qs:qe], kc[None, ks:ke], vc[None, ks:ke], softmax_scale, causal, bottom_right)
         out[qs:qe] = o[0]
         lse[:, qs:qe] = l[0]
@@ -138,7 +149,8 @@ def attention_backward(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens
         dq, dk, dv = _bwd_dense(do, qc, kc, vc, oc, lc, softmax_scale, causal, bottom_right)
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
-        for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+        for (qs, qe), (ks, ke) in zip(_segments(cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                      _segments(cu_seqlens_k, k.shape[0], max_seqlen_k)):
             g = _bwd_dense(do[None, qs:qe], qc[None, qs:qe], kc[None, ks:ke], vc[None, ks:ke],
                            oc[None, qs:qe], lc[None, :, qs:qe], softmax_scale, causal, bottom_right)
             dq[qs:qe], dk[ks:ke], dv[ks:ke] = g[0][0], g[1][0], g[2][0]
@@ -151,22 +163,31 @@ def decode_forward(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlen
     Per request b with L = cache_seqlens[b] tokens (the Sq new ones included), K = [ckv, kpe] and
     V = ckv of positions 0..L-1, gathered through block_table; every head attends to the same K/V.
     Only the rows in use are read, so unused (e.g. NaN-filled) page contents never reach the result.
+    Bad values follow the kernels' rule (mla_autograd.decode): L clamped into [0, max_pages * page_size],
+    a block_table entry outside [0, num_pages) reads as a page of zeros.
     Returns out (B, Sq, H, Dc) in q_nope.dtype and lse (B, H, Sq).
     """
     B, Sq, H, Dc = q_nope.shape
-    page = ckv_cache.shape[1]
+    num_pages, page = ckv_cache.shape[:2]
+    capacity = block_table.shape[1] * page
     cd = _compute_dtype(q_nope)
     out = torch.zeros(B, Sq, H, Dc, dtype=cd, device=q_nope.device)
     lse = torch.full((B, H, Sq), float("-inf"), dtype=cd, device=q_nope.device)
     lens = cache_seqlens.tolist()
     for b in range(B):
-        L = lens[b]
+        L = min(max(lens[b], 0), capacity)
         if L == 0:
             continue
         pos = torch.arange(L, device=q_nope.device)
         pages = block_table[b].long()[pos // page]
-        rows = pos % page
-        k = torch.cat([ckv_cache[pages, rows], kpe_cache[pages, rows]], dim=-1).to(cd)  # (L, Dc+Dr)
+        in_cache = (pages >= 0) & (pages < num_pages)
+        if num_pages == 0:
+            k = torch.zeros(L, Dc + kpe_cache.shape[2], dtype=cd, device=q_nope.device)
+        else:
+            pages = torch.where(in_cache, pages, 0)
+            rows = pos % page
+            k = torch.cat([ckv_cache[pages, rows], kpe_cache[pages, rows]], dim=-1).to(cd)  # (L, Dc+Dr)
+            k = torch.where(in_cache[:, None], k, 0)
         q = torch.cat([q_nope[b], q_pe[b]], dim=-1).to(cd)  # (Sq, H, Dc+Dr)
         o, l = _fwd_dense(q[None], k[None, :, None], k[None, :, None, :Dc], softmax_scale, causal, True)
         out[b], lse[b] = o[0], l[0]

@@ -6,11 +6,13 @@ precision, plus a tiny epsilon. It adapts to the shape and the data, and NaN nev
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-__all__ = ["naive_attention", "assert_error_within", "random_paged_cache", "dense_mask"]
+__all__ = ["naive_attention", "assert_error_within", "random_paged_cache", "dense_mask", "BadVarlenCase",
+           "BAD_VARLEN_ROWS", "BAD_VARLEN_CASES", "varlen_expected", "bad_decode_case"]
 
 
 def dense_mask(sq: int, sk: int, *, causal: bool, bottom_right: bool, device=None) -> torch.Tensor:
@@ -111,3 +113,104 @@ def random_paged_cache(cache_seqlens, *, page_size: int, dim_ckv: int = 512, dim
     else:
         ckv, kpe = buf[..., :dim_ckv].contiguous(), buf[..., dim_ckv:].contiguous()
     return ckv, kpe, table.to(device)
+
+
+# ---- inputs that break the value rules: what every path must compute for them (memory-safe, documented) ----
+
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BadVarlenCase:
+    """cu_seqlens / max_seqlen values that break attention_varlen's rules, over packed tensors of
+    ``BAD_VARLEN_ROWS`` = (Tq, Tk) rows, with the row ranges [start, end) every path must take for them
+    (mla_autograd.attention_varlen: clamped into the tensor, a decreasing pair empty, cut at max_seqlen),
+    written out by hand. ``overlapping``: the ranges overlap, so results there race (run it for memory
+    safety only; a sequence with keys and no queries also writes its keys' zero gradients)."""
+
+    name: str
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    max_q: int
+    max_k: int
+    ranges_q: tuple[tuple[int, int], ...]
+    ranges_k: tuple[tuple[int, int], ...]
+    overlapping: bool = False
+
+
+BAD_VARLEN_ROWS = (40, 48)
+
+BAD_VARLEN_CASES = (
+    BadVarlenCase("negative start", (-5, 10, 25, 40), (-5, 12, 30, 48), 20, 20,
+                  ((0, 10), (10, 25), (25, 40)), ((0, 12), (12, 30), (30, 48))),
+    BadVarlenCase("past the end", (0, 10, 25, 99), (0, 12, 30, 1000), 20, 20,
+                  ((0, 10), (10, 25), (25, 40)), ((0, 12), (12, 30), (30, 48))),
+    BadVarlenCase("decreasing", (0, 20, 10, 10), (0, 30, 20, 20), 20, 30,
+                  ((0, 20), (20, 20), (10, 10)), ((0, 30), (30, 30), (20, 20))),
+    BadVarlenCase("longer than max_seqlen", (0, 10, 25, 40), (0, 12, 30, 48), 8, 9,
+                  ((0, 8), (10, 18), (25, 33)), ((0, 9), (12, 21), (30, 39))),
+    BadVarlenCase("int32 extremes", (INT32_MIN, 10, INT32_MAX, INT32_MAX), (INT32_MIN, 20, INT32_MAX, INT32_MAX),
+                  20, 48, ((0, 10), (10, 30), (40, 40)), ((0, 20), (20, 48), (48, 48))),
+    BadVarlenCase("overlapping", (0, 30, 5, 40), (0, 40, 8, 48), 40, 48,
+                  ((0, 30), (30, 30), (5, 40)), ((0, 40), (40, 40), (8, 48)), overlapping=True),
+)
+
+
+def varlen_expected(q, k, v, dout, ranges_q, ranges_k, *, softmax_scale, causal, bottom_right):
+    """(out, lse, dq, dk, dv) of packed attention over explicit row ranges (one sequence per pair of ranges),
+    by the reference path on each sequence alone, in float64; rows no range covers: out and lse NaN (not
+    specified), gradients 0. q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), dout (Tq, Hq, Dv)."""
+    from . import reference
+
+    qd, kd, vd, dod = (t.detach().double() for t in (q, k, v, dout))
+    out = qd.new_full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"))
+    lse = qd.new_full((q.shape[1], q.shape[0]), float("nan"))
+    dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right)
+    for (qs, qe), (ks, ke) in zip(ranges_q, ranges_k):
+        if qe <= qs:
+            continue
+        qq, kk, vv, dd = qd[None, qs:qe], kd[None, ks:ke], vd[None, ks:ke], dod[None, qs:qe]
+        o, l = reference.attention_forward(qq, kk, vv, **kw)
+        g = reference.attention_backward(dd, qq, kk, vv, o, l, **kw)
+        out[qs:qe], lse[:, qs:qe] = o[0], l[0]
+        dq[qs:qe] += g[0][0]
+        dk[ks:ke] += g[1][0]
+        dv[ks:ke] += g[2][0]
+    return out, lse, dq, dk, dv
+
+
+def bad_decode_case(*, seqlen_q: int = 1, num_heads: int = 16, page_size: int = 16, dim_ckv: int = 512,
+                    dim_kpe: int = 64, dtype=torch.bfloat16, device=None, generator=None):
+    """A decode problem whose cache_seqlens and block_table break the rules, and the valid problem every path
+    must compute for it (mla_autograd.decode), built independently: lengths clamped by hand, bad page ids
+    pointed at an extra page of zeros. Returns (bad, valid): two dicts of decode's tensor arguments
+    (q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens), the same queries in both.
+
+    Requests: a negative length (idle), one past the table's capacity (4 pages), 0 (idle), INT32_MAX, one
+    with in-use entries -1 and num_pages + 5 (and an unused one of INT32_MIN), and one of seqlen_q - 1
+    tokens (with causal masking its first new token sees nothing)."""
+    capacity_pages = 4
+    cap = capacity_pages * page_size
+    valid_lens = [0, cap, 0, cap, 2 * page_size + 3, max(seqlen_q - 1, 0)]
+    ckv, kpe, table = random_paged_cache(torch.tensor([max(x, 1) for x in valid_lens]), page_size=page_size,
+                                         dim_ckv=dim_ckv, dim_kpe=dim_kpe, dtype=dtype, device="cpu",
+                                         extra_pages=2, generator=generator)
+    num_pages = ckv.shape[0]
+    table = torch.cat([table, table.new_full((table.shape[0], capacity_pages - table.shape[1]), 0)], 1) \
+        if table.shape[1] < capacity_pages else table[:, :capacity_pages].clone()
+    B = len(valid_lens)
+    bad_lens = torch.tensor([-7, cap + 50, 0, INT32_MAX, valid_lens[4], valid_lens[5]], dtype=torch.int32)
+    bad_table = table.clone()
+    bad_table[4, 0], bad_table[4, 1], bad_table[4, 3] = -1, num_pages + 5, INT32_MIN
+    # the valid twin: one more page, of zeros, where the bad ids point
+    buf = torch.cat([torch.cat([ckv, kpe], -1), torch.zeros(1, page_size, dim_ckv + dim_kpe, dtype=dtype)], 0)
+    fixed_table = table.clone()
+    fixed_table[4, 0] = fixed_table[4, 1] = num_pages
+    q_nope = torch.randn(B, seqlen_q, num_heads, dim_ckv, generator=generator).to(dtype)
+    q_pe = torch.randn(B, seqlen_q, num_heads, dim_kpe, generator=generator).to(dtype)
+    dev = device if device is not None else "cpu"
+    bad = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, block_table=bad_table, cache_seqlens=bad_lens)
+    valid = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=buf[..., :dim_ckv], kpe_cache=buf[..., dim_ckv:],
+                 block_table=fixed_table, cache_seqlens=torch.tensor(valid_lens, dtype=torch.int32))
+    return ({n: t.to(dev) for n, t in bad.items()}, {n: t.to(dev) for n, t in valid.items()})

@@ -72,8 +72,8 @@ def test_decode_is_inference_only():
 
 
 def test_decode_value_checks_read_one_value_on_the_host(host_reads, monkeypatch):
-    """The value checks run on the inputs' device and copy one int64 to the host; check_values=False (what
-    nn.MLACache's decode steps use) reads nothing there: on a GPU each host read is a device sync."""
+    """The value checks run on the inputs' device and copy one int64 to the host; check_values=False (the
+    default) reads nothing there: on a GPU each host read is a device sync."""
     lens = torch.tensor([3, 9], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=32, dim_kpe=8, dtype=torch.float64)
     q_nope, q_pe = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
@@ -83,7 +83,9 @@ def test_decode_value_checks_read_one_value_on_the_host(host_reads, monkeypatch)
     host_reads.clear()  # what making the inputs read
     _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)
     assert host_reads == []
-    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # default: checked, one 0-d read
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)  # the default: not checked
+    assert host_reads == []
+    _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=True)  # one 0-d read
     assert host_reads == [("item", ())]
     host_reads.clear()
     monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")  # forces the checks on, check_values=False too
@@ -191,8 +193,8 @@ def test_decode_schedule_inference_tensor_modified_in_place():
         with pytest.raises(ValueError, match=r"schedule is stale: cache_seqlens\[1\] is 14 but was 17 when the "
                                              r"schedule was computed .*decode_schedule\(cache_seqlens, seqlen_q=1, "
                                              r"num_heads=4\)"):
-            M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
-        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s, check_values=False)
+            M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s, check_values=True)
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)  # the default: unseen
         s = M.decode_schedule(lens_i, seqlen_q=1, num_heads=4)
         M.decode(q_nope, q_pe, ckv, kpe, table, lens_i, softmax_scale=0.2, schedule=s)
     # a normal tensor keeps no copy: its version counter tells

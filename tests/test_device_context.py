@@ -95,9 +95,9 @@ def test_attention_varlen_under_meta_default_device():
     with torch.device("meta"):
         got = _run_varlen(q, k, v, cq, ck)
         with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 8 must equal the number of packed tokens \(7\)"):
-            M.attention_varlen(q[:, :, :], k[:7], v[:7], cq, ck, 4, 5)
+            M.attention_varlen(q[:, :, :], k[:7], v[:7], cq, ck, 4, 5, check_values=True)
         with pytest.raises(ValueError, match="max_seqlen_q = 3 is smaller than the longest sequence"):
-            M.attention_varlen(q, k, v, cq, ck, 3, 5)
+            M.attention_varlen(q, k, v, cq, ck, 3, 5, check_values=True)
     _same(got, want)
 
 
@@ -132,10 +132,10 @@ def test_decode_value_errors_under_meta_default_device():
     bad_table[2, 3] = 10_000
     with torch.device("meta"), torch.no_grad():
         with pytest.raises(ValueError, match=r"block_table\[2, 3\] = 10000 is not a page index"):
-            M.decode(q_nope, q_pe, ckv, kpe, bad_table, lens, softmax_scale=0.2)
+            M.decode(q_nope, q_pe, ckv, kpe, bad_table, lens, softmax_scale=0.2, check_values=True)
         with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 999 must be 0"):
             M.decode(q_nope, q_pe, ckv, kpe, table, torch.tensor([999, 0, 17], dtype=torch.int32, device="cpu"),
-                     softmax_scale=0.2)
+                     softmax_scale=0.2, check_values=True)
 
 
 def test_explain_under_meta_default_device():
@@ -248,9 +248,9 @@ def test_layer_built_under_meta_context_then_materialised():
 
 
 @pytest.mark.gpu
-def test_value_checks_synchronise_once_on_cuda():
-    """On a GPU the value checks cost one synchronising copy (of one int64) per checked call, none with the
-    checks off; decode_schedule none at all."""
+def test_value_checks_synchronise_once_on_cuda(monkeypatch):
+    """On a GPU the default public calls never synchronise (decode, attention_varlen forward and backward,
+    decode_schedule); a call that asks for value checks costs one synchronising copy (of one int64)."""
     from mla_autograd import _validate
 
     q_nope, q_pe, ckv, kpe, table, lens = _decode_case("cuda", torch.bfloat16, H=16, Dc=512, Dr=64, page=64)
@@ -268,7 +268,20 @@ def test_value_checks_synchronise_once_on_cuda():
             torch.cuda.set_sync_debug_mode("default")
         return sum("synchronizing" in str(w.message) for w in record)
 
-    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=False)) == 0
-    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)) == 1
-    assert syncs(lambda: _validate.check_attention_varlen(q, k, v, cq, cq, 5, 5)) == 1
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)) == 0
+    assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2, check_values=True)) == 1
+    assert syncs(lambda: _validate.check_attention_varlen(q, k, v, cq, cq, 5, 5)) == 0
+    assert syncs(lambda: _validate.check_attention_varlen(q, k, v, cq, cq, 5, 5, check_values=True)) == 1
     assert syncs(lambda: M.decode_schedule(lens, seqlen_q=1, num_heads=16)) == 0
+    # the whole default calls, their kernels included (warm: the first call builds and loads the modules)
+    with torch.inference_mode():
+        M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.1)
+        assert syncs(lambda: M.decode(q_nope, q_pe, ckv, kpe, table, lens, softmax_scale=0.1)) == 0
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def varlen_step():
+        out = M.attention_varlen(qg, kg, vg, cq, cq, 5, 5, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out))
+    varlen_step()
+    assert syncs(varlen_step) == 0

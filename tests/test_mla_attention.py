@@ -383,7 +383,7 @@ def test_varlen_errors():
     ]
     for args, exc, match in cases:
         with pytest.raises(exc, match=match):
-            M.mla_attention_varlen(*args)
+            M.mla_attention_varlen(*args, check_values=True)
 
 
 # ---------------------------------------------------------------- GPU: bf16 through the kernels

@@ -3,7 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import mla_autograd as M
 from mla_autograd import reference as R
+from mla_autograd import testing as T
 from mla_autograd.testing import naive_attention
 
 
@@ -91,3 +93,41 @@ def test_low_precision_inputs_computed_in_float32(dtype):
     ref, _ = R.attention_forward(q.double(), k.double(), v.double(), softmax_scale=0.25, causal=False,
                                  bottom_right=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)
+
+
+# ---- values that break the rules: the reference path is the spec the kernels follow (testing.BAD_*) ----
+
+@pytest.mark.parametrize("case", [c for c in T.BAD_VARLEN_CASES], ids=lambda c: c.name)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bad_values_take_the_clamped_ranges(case, causal):
+    g = torch.Generator().manual_seed(3)
+    tq, tk = T.BAD_VARLEN_ROWS
+    q = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(tk, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(tk, 2, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(tq, 4, 6, generator=g, dtype=torch.float64)
+    cq, ck = (torch.tensor(c, dtype=torch.int32) for c in (case.cu_q, case.cu_k))
+    out, lse = M.attention_varlen(q, k, v, cq, ck, case.max_q, case.max_k, causal=causal, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if case.overlapping:
+        return  # races where the ranges overlap: only that it runs
+    want = T.varlen_expected(q, k, v, dout, case.ranges_q, case.ranges_k, softmax_scale=8 ** -0.5, causal=causal,
+                             bottom_right=True)
+    covered = ~torch.isnan(want[0][:, 0, 0])
+    torch.testing.assert_close(out[covered], want[0][covered])
+    torch.testing.assert_close(lse[:, covered], want[1][:, covered])
+    for got, w in zip(grads, want[2:]):
+        torch.testing.assert_close(got, w)  # rows no range covers: 0
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_decode_bad_values_compute_the_repaired_problem(seqlen_q):
+    bad, valid = T.bad_decode_case(seqlen_q=seqlen_q, num_heads=2, page_size=4, dim_ckv=16, dim_kpe=8,
+                                   dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = M.decode(**bad, softmax_scale=0.2, return_lse=True)
+        want = M.decode(**valid, softmax_scale=0.2, return_lse=True)
+    torch.testing.assert_close(got, want)
+    assert torch.all(got[0][0] == 0) and torch.all(got[1][0] == float("-inf"))  # negative length: idle
+    if seqlen_q == 2:  # a request of seqlen_q - 1 tokens: its first new token sees nothing
+        assert torch.all(got[0][5, 0] == 0) and torch.all(got[1][5, :, 0] == float("-inf"))

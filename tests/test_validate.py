@@ -74,7 +74,7 @@ def test_varlen_errors():
     ]
     for args, kw, exc, match in cases:
         with pytest.raises(exc, match=match):
-            M.attention_varlen(*args, **kw)
+            M.attention_varlen(*args, **kw, check_values=True)
 
 
 def test_varlen_value_checks_can_be_disabled(monkeypatch):
@@ -113,13 +113,13 @@ def test_decode_errors(change, exc, match):
     args = _decode_args()
     args.update(change)
     with torch.no_grad(), pytest.raises(exc, match=match):
-        M.decode(**args, softmax_scale=0.1)
+        M.decode(**args, softmax_scale=0.1, check_values=True)
 
 
 def test_decode_new_tokens_exceed_length():
     args = _decode_args(Sq=4, lens=(5, 3))
     with torch.no_grad(), pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 3 must be 0 .* the 4 new tokens"):
-        M.decode(**args, softmax_scale=0.1)
+        M.decode(**args, softmax_scale=0.1, check_values=True)
 
 
 def test_decode_requires_scale():
@@ -133,7 +133,7 @@ def test_errors_write_nothing():
     before = {k: v.clone() for k, v in args.items()}
     args["cache_seqlens"] = torch.tensor([5, 99], dtype=torch.int32)
     with torch.no_grad(), pytest.raises(ValueError):
-        M.decode(**args, softmax_scale=0.1)
+        M.decode(**args, softmax_scale=0.1, check_values=True)
     for k in ("ckv_cache", "kpe_cache", "block_table", "q_nope"):
         assert torch.equal(torch.nan_to_num(args[k]), torch.nan_to_num(before[k]))
 
@@ -200,11 +200,13 @@ def test_varlen_value_checks_read_one_value_on_the_host(host_reads, monkeypatch)
 
     monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
     host_reads.clear()
-    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)  # the default: no value read
+    assert host_reads == []
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5, check_values=True)
     assert host_reads == [("item", ())]
     host_reads.clear()
     monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
-    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
+    _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5, check_values=True)
     assert host_reads == []
     monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "1")
     _validate.check_attention_varlen(q, k, v, cq, ck, 4, 5)
@@ -227,10 +229,10 @@ def test_varlen_value_errors_name_the_entry(cq, ck, mx, match):
     q, k, v = torch.randn(7, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
     cq, ck = torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32)
     if match is None:
-        M.attention_varlen(q, k, v, cq, ck, *mx)
+        M.attention_varlen(q, k, v, cq, ck, *mx, check_values=True)
         return
     with pytest.raises(ValueError, match=match):
-        M.attention_varlen(q, k, v, cq, ck, *mx)
+        M.attention_varlen(q, k, v, cq, ck, *mx, check_values=True)
 
 
 @pytest.mark.parametrize("lens,table,match", [
@@ -251,10 +253,10 @@ def test_decode_value_errors_name_the_entry(lens, table, match):
         args["block_table"] = torch.tensor(table, dtype=torch.int32)
     with torch.no_grad():
         if match is None:
-            M.decode(**args, softmax_scale=0.1)
+            M.decode(**args, softmax_scale=0.1, check_values=True)
             return
         with pytest.raises(ValueError, match=match):
-            M.decode(**args, softmax_scale=0.1)
+            M.decode(**args, softmax_scale=0.1, check_values=True)
 
 
 def _mla_parts():

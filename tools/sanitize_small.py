@@ -7,8 +7,13 @@
 
 Through the public API: SM90 forward and backward (dense GQA with ragged lengths and bottom-right
 causal mask, and varlen with an empty sequence) and the SM80-style decode over a NaN-poisoned paged
-cache, each checked loosely against the reference so a silent failure under the tool shows. Prints
-the backend of each call; exits non-zero if any result is wrong.
+cache, each checked loosely against the reference so a silent failure under the tool shows. Then the
+values that break the rules, with no value checks (the default): every case of
+mla_autograd.testing.BAD_VARLEN_CASES (negative, decreasing, past the end, longer than max_seqlen, int32
+extremes, overlapping) forward and backward, and testing.bad_decode_case (negative, oversized and INT32_MAX
+lengths, page ids -1, past num_pages and INT32_MIN) with and without a schedule, for 1 and 2 new tokens and
+16 and 128 heads; under memcheck they must show no error. Prints the backend of each call; exits non-zero
+if any result is wrong.
 
 --qk-mbar: the decode calls run a mla_decode_sm80 module built with -DMLA_DECODE_QK_MBAR, in a cache of its own
 beside the normal one (the build fingerprint does not see NVCC_APPEND_FLAGS; the normal cache is never touched):
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mla_autograd as M  # noqa: E402
 from mla_autograd import reference  # noqa: E402
+from mla_autograd import testing as T  # noqa: E402
 from mla_autograd.testing import random_paged_cache  # noqa: E402
 
 
@@ -72,6 +78,42 @@ def _attention_cases(dev, dt, g) -> bool:
     ok &= _close("varlen out", out, ref)
     for n, a, r in zip(("dq", "dk", "dv"), grads, refs):
         ok &= _close(f"varlen {n}", a, r)
+    return ok
+
+
+def _bad_value_cases(dev, dt) -> bool:
+    """The rule-breaking values (testing.BAD_*): no fault; results against the repaired problems."""
+    ok = True
+    tq, tk = T.BAD_VARLEN_ROWS
+    g = torch.Generator(device=dev).manual_seed(2)
+    for case in T.BAD_VARLEN_CASES:
+        q = torch.randn(tq, 4, 192, device=dev, dtype=dt, generator=g).requires_grad_()
+        k = torch.randn(tk, 2, 192, device=dev, dtype=dt, generator=g).requires_grad_()
+        v = torch.randn(tk, 2, 128, device=dev, dtype=dt, generator=g).requires_grad_()
+        dout = torch.randn(tq, 4, 128, device=dev, dtype=dt, generator=g)
+        cq, ck = (torch.tensor(c, dtype=torch.int32, device=dev) for c in (case.cu_q, case.cu_k))
+        out = M.attention_varlen(q, k, v, cq, ck, case.max_q, case.max_k, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+        if case.overlapping:
+            print(f"bad varlen '{case.name}': ran (overlapping: results race)", flush=True)
+            continue
+        want = T.varlen_expected(q, k, v, dout, case.ranges_q, case.ranges_k, softmax_scale=192 ** -0.5,
+                                 causal=True, bottom_right=True)
+        covered = ~torch.isnan(want[0][:, 0, 0])
+        ok &= _close(f"bad varlen '{case.name}' out", out[covered], want[0][covered])
+        for n, a, r in zip(("dq", "dk", "dv"), grads, want[2:]):
+            ok &= _close(f"bad varlen '{case.name}' {n}", a, r)
+    for Sq, H in ((1, 16), (2, 16), (1, 128), (2, 64)):
+        bad, valid = T.bad_decode_case(seqlen_q=Sq, num_heads=H, dtype=dt, device=dev,
+                                       generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            want = M.decode(**valid, softmax_scale=0.1)
+            for planned in (False, True):
+                kw = dict(schedule=M.decode_schedule(bad["cache_seqlens"], seqlen_q=Sq, num_heads=H)) if planned else {}
+                got = M.decode(**bad, softmax_scale=0.1, **kw)
+                torch.cuda.synchronize()
+                ok &= _close(f"bad decode Sq={Sq} H={H}{' planned' if planned else ''}", got, want)
     return ok
 
 
@@ -123,6 +165,8 @@ def main() -> int:
         print(f"decode H={H} Sq={Sq} backend: {M.explain_decode(qn, qp, ckv).decode.backend}", flush=True)
         ok &= _close(f"decode out H={H} Sq={Sq}", o, ro)
     torch.cuda.synchronize()
+    if "--decode-only" not in sys.argv:
+        ok &= _bad_value_cases(dev, dt)
     print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
     return 0 if ok else 1
 

@@ -264,6 +264,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.kpe_stride_page = kpe_cache.stride(0); p.kpe_stride_row = kpe_cache.stride(1);
   p.block_table = block_table.data_ptr<int>(); p.bt_stride_b = block_table.stride(0);
   p.max_pages = int(block_table.size(1));
+  p.num_pages = int(std::min<int64_t>(P, INT32_MAX));  // block_table entries are int32: no id reaches past that
+  p.kv_capacity = int(std::min<int64_t>(int64_t(p.max_pages) * page_size, INT32_MAX));
   p.seqlens = cache_seqlens.data_ptr<int>();
   p.out = out.data_ptr(); p.o_stride_b = out.stride(0); p.o_stride_s = out.stride(1); p.o_stride_h = out.stride(2);
   p.lse = lse.data_ptr<float>(); p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
@@ -371,6 +373,7 @@ at::Tensor schedule_impl(const at::Tensor& cache_seqlens, int64_t seqlen_q, int6
   // Only what the metadata kernel reads: lengths, B, the part count and split sizes, the two outputs.
   mds::DecodeParams p{};
   p.seqlens = cache_seqlens.data_ptr<int>();
+  p.kv_capacity = INT32_MAX;  // no block_table here: decode clamps the schedule's ranges to its own capacity
   p.B = int(B); p.Sq = int(seqlen_q); p.H = int(num_heads);
   p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + ls.num_items * 4;
   p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;

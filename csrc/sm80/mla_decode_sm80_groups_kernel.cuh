@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
-  const int L = p.seqlens[b];
+  const int L = request_len(p, b);
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * 64;
 

@@ -191,6 +191,8 @@ __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
     w.kv_end = p.sched_items[item * 4 + 3];
     w.final_out = w.b >= 0 && p.sched_reqs[w.b * 2 + 1] == 1;
   }
+  // A precomputed schedule (decode_schedule) was made without the block_table: its ranges are clamped here.
+  w.kv_end = min(w.kv_end, p.kv_capacity);
   w.n_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + kBlockN - 1) / kBlockN : 0;
   return w;
 }
@@ -250,6 +252,15 @@ __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem&
   } else {
     p.ws_lse[int64_t(item) * p.Sq * p.H + grow] = lse2;
   }
+}
+
+// A page id from the ring, checked against the cache: an id outside [0, num_pages) (a bad block_table entry) becomes
+// page 0 and false, and the caller predicates its copies off, so that token's rows read as zeros and no address
+// outside the caches is formed. One compare and one select per row copy, beside its cp.async.
+__device__ __forceinline__ bool page_in_cache(const DecodeParams& p, int& page) {
+  const bool ok = unsigned(page) < unsigned(p.num_pages);
+  page = ok ? page : 0;
+  return ok;
 }
 
 // This lane's source in one cache row: page id and in-page row (both >= 0, 32-bit) times the 64-bit strides.
@@ -314,17 +325,19 @@ struct RowLoader {
     for (int k = 0; k < kRows; ++k) {
       const int r = lw + NLW * k;
       const int tok = tok0 + r;
+      const bool ok = page_in_cache(p, pg[k]) && tok < kv_end;
       const Elem* src = cache_row(ckv_lane, pg[k], tok & page_mask, p.ckv_stride_page, p.ckv_stride_row);
       const uint32_t d = dst + r * kRowBytes;
-      cp_async16(d + col0[k % kPar], src, tok < kv_end);
-      cp_async16(d + col1[k % kPar], src + 256, tok < kv_end);
+      cp_async16(d + col0[k % kPar], src, ok);
+      cp_async16(d + col1[k % kPar], src + 256, ok);
     }
 #pragma unroll
     for (int k = 0; k < kKpeRows; ++k) {
       const int r = kpe_row + 4 * NLW * k;
       const int tok = tok0 + r;
+      const bool ok = page_in_cache(p, pgk[k]) && tok < kv_end;
       const Elem* src = cache_row(kpe_lane, pgk[k], tok & page_mask, p.kpe_stride_page, p.kpe_stride_row);
-      cp_async16(dst + kpe_dst + 4 * NLW * k * kRowBytes, src, tok < kv_end);
+      cp_async16(dst + kpe_dst + 4 * NLW * k * kRowBytes, src, ok);
     }
   }
 };
@@ -515,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;  // steps of BN tokens
-  const int L = p.seqlens[b];
+  const int L = request_len(p, b);
   const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
@@ -564,8 +577,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
     for (int k = 0; k < BN * 64 / NL; ++k) {
       const int r = (lt >> 6) + (NL / 64) * k;
       const int tok = tok0 + r;
-      const bool ok = tok < kv_end;
-      const int64_t off = int64_t(pid[r]) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row + c * 8;
+      int page = pid[r];
+      const bool ok = page_in_cache(p, page) && tok < kv_end;
+      const int64_t off = int64_t(page) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row + c * 8;
       cp_async16(dst + swz(r, c * 8), ok ? static_cast<const void*>(ckv + off) : p.ckv, ok);
     }
 #pragma unroll
@@ -574,8 +588,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       if (idx < BN * 8) {
         const int r = idx >> 3, cc = idx & 7;
         const int tok = tok0 + r;
-        const bool ok = tok < kv_end;
-        const int64_t off = int64_t(pid[r]) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row + cc * 8;
+        int page = pid[r];
+        const bool ok = page_in_cache(p, page) && tok < kv_end;
+        const int64_t off = int64_t(page) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row + cc * 8;
         cp_async16(dst + swz(r, kDimCkv + cc * 8), ok ? static_cast<const void*>(kpe + off) : p.kpe, ok);
       }
     }

@@ -36,20 +36,20 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   const int b0 = tid * per, b1 = min(p.B, b0 + per);
 
   long long w = 0;
-  for (int b = b0; b < b1; ++b) w += tiles_of(p.seqlens[b]);
+  for (int b = b0; b < b1; ++b) w += tiles_of(request_len(p, b));
   const long long total = Reduce(tmp.reduce).Sum(w);
   if (tid == 0) s_budget = split_budget(total, p.num_parts, p.min_tiles);
   __syncthreads();
   const long long T = s_budget;
 
   int my = 0;
-  for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, p.force_splits, false);
+  for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, p.force_splits, false);
   int base = 0, used = 0;
   Scan(tmp.scan).ExclusiveSum(my, base, used);
   const bool down = splits_round_down(used, p.num_parts, p.B, p.force_splits);  // uniform: used is the block's sum
   if (down) {
     my = 0;
-    for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(p.seqlens[b]), T, 0, true);
+    for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, 0, true);
     __syncthreads();  // the first scan's temporary storage is free
     Scan(tmp.scan).ExclusiveSum(my, base, used);
   }
@@ -78,12 +78,12 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
         else hi = mid - 1;
       }
       const int b = lo, j = it - s_base[b], sp = s_splits[b];
-      const int L = max(p.seqlens[b], 0), x = tiles_of(L);
+      const int L = request_len(p, b), x = tiles_of(L);
       write_item(it, b, j, split_first_tile(j, x, sp), split_first_tile(j + 1, x, sp), L);
     }
   } else {  // several requests per thread, each writing its requests' items
     for (int b = b0; b < b1; ++b) {
-      const int L = max(p.seqlens[b], 0);
+      const int L = request_len(p, b);
       const int x = tiles_of(L);
       const int s = splits_of(x, T, p.force_splits, down);
       p.sched_reqs[b * 2 + 0] = base;

@@ -17,9 +17,14 @@ struct DecodeParams {
   int64_t ckv_stride_page, ckv_stride_row;
   int64_t kpe_stride_page, kpe_stride_row;
   // block_table int32 (B, max_pages) with row stride bt_stride_b; cache_seqlens int32 (B).
+  // The kernels are memory-safe for any values in these two tensors: a length is clamped to [0, kv_capacity]
+  // (request_len, schedule.h) and a page id outside [0, num_pages) reads as a page of zeros (page_in_cache,
+  // kernel.cuh), so no address outside block_table's rows or the caches is formed.
   const int* block_table;
   int64_t bt_stride_b;
   int max_pages;
+  int num_pages;     // pages in the caches (ckv_cache.size(0))
+  int kv_capacity;   // min(max_pages * page_size, INT_MAX); INT_MAX in decode_schedule, which has no block_table
   const int* seqlens;
   // out (B, Sq, H, 512) dtype of q; lse (B, H, Sq) fp32 (strides in elements).
   void* out;

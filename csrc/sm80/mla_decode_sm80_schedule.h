@@ -18,6 +18,13 @@ namespace mla_decode_sm80 {
 
 __device__ __forceinline__ int tiles_of(int len) { return (max(len, 0) + kBlockN - 1) / kBlockN; }
 
+// The length of a request as every kernel uses it: cache_seqlens[b] clamped to [0, kv_capacity], so that a negative
+// or oversized value can never index block_table past its row (what such a request computes is documented in
+// mla_autograd.decode; check_values reports the value instead).
+__device__ __forceinline__ int request_len(const DecodeParams& p, int b) {
+  return min(max(__ldg(p.seqlens + b), 0), p.kv_capacity);
+}
+
 // Divisions in 32 bits whenever the operands fit (always in practice): a 64-bit division is a subroutine call,
 // and these run on every main-kernel CTA's critical path (the inline schedule).
 __device__ __forceinline__ long long split_budget(long long total_tiles, int num_parts, int min_tiles) {
@@ -66,7 +73,7 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int b = k * 32 + lane;
-    len[k] = b < p.B ? max(__ldg(p.seqlens + b), 0) : 0;
+    len[k] = b < p.B ? request_len(p, b) : 0;
     x[k] = tiles_of(len[k]);
     lane_tiles += x[k];
   }

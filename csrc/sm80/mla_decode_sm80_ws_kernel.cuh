@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   }
   if (w.b < 0) return;  // grid is sized from shapes; unused items exit (whole CTA, before any barrier)
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
-  const int L = p.seqlens[b];
+  const int L = request_len(p, b);
   const int stages = p.stages;
   const int rows_total = p.Sq * p.H;
   const int row0 = mblock * M_TILE;
@@ -168,17 +168,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
       for (int k = 0; k < kBlockN / Cfg::kQKWarps; ++k) {
         const int r = warp + Cfg::kQKWarps * k;
         const int tok = tok0 + r;
-        const Elem* src = ckv_lane + row_off(pid[r], tok, ckv_sp, ckv_sr);
+        int page = pid[r];
+        const bool ok = page_in_cache(p, page) && tok < kv_end;
+        const Elem* src = ckv_lane + row_off(page, tok, ckv_sp, ckv_sr);
         const uint32_t d = dst + r * kRowBytes;
-        cp_async16(d + ((k & 1) ? col_b0 : col_a0), src, tok < kv_end);
-        cp_async16(d + ((k & 1) ? col_b1 : col_a1), src + 256, tok < kv_end);
+        cp_async16(d + ((k & 1) ? col_b0 : col_a0), src, ok);
+        cp_async16(d + ((k & 1) ? col_b1 : col_a1), src + 256, ok);
       }
 #pragma unroll
       for (int k = 0; k < kBlockN / 16; ++k) {
         const int r = kpe_row + 16 * k;
         const int tok = tok0 + r;
-        const Elem* src = kpe_lane + row_off(pid[r], tok, kpe_sp, kpe_sr);
-        cp_async16(dst + kpe_dst + 16 * k * kRowBytes, src, tok < kv_end);
+        int page = pid[r];
+        const bool ok = page_in_cache(p, page) && tok < kv_end;
+        const Elem* src = kpe_lane + row_off(page, tok, kpe_sp, kpe_sr);
+        cp_async16(dst + kpe_dst + 16 * k * kRowBytes, src, ok);
       }
     };
     for (int s = 0; s < stages - 1; ++s) {

@@ -50,14 +50,10 @@ template <int BM>
 __device__ __forceinline__ Seq get_seq(const FmhaBwdSm90Params& p, int b) {
   Seq s;
   int64_t row0;
-  if (p.cu_seqlens_q != nullptr) {
-    int q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
-    int k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
-    s.len_q = q1 - q0;
-    s.len_k = k1 - k0;
-    s.start_q = q0;
-    s.start_k = k0;
-    row0 = q0;
+  if (p.cu_seqlens_q != nullptr) {  // the forward's clamped ranges (varlen_rows, sm90_attn_common.cuh)
+    mla_sm90::varlen_rows(p.cu_seqlens_q, b, p.total_q, p.max_seqlen_q, s.start_q, s.len_q);
+    mla_sm90::varlen_rows(p.cu_seqlens_k, b, p.total_k, p.max_seqlen_k, s.start_k, s.len_k);
+    row0 = s.start_q;
   } else {
     s.len_q = p.seqlen_q;
     s.len_k = p.seqlen_k;

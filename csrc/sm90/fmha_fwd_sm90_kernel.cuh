@@ -190,7 +190,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
   int const b = tc.pair / p.hq;
   int const m_block = num_m - 1 - tc.rank;
   bool const varlen = p.cu_seqlens_q != nullptr;
-  SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+  SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k, p.cu_seqlens_q, p.cu_seqlens_k);
   if (m_block * kBM >= si.seqlen_q) return;  // beyond this sequence (varlen): whole CTA leaves
   MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
   int n_min, n_max;

@@ -16,24 +16,34 @@ namespace mla_sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
-// Sequence info: lengths and row offsets of batch b, dense or varlen (cu_seqlens int32 (B+1)).
+// Rows of sequence b of a packed (varlen) batch, as every SM90 kernel reads them (forward and backward):
+// cu[b] and cu[b + 1] clamped into [0, rows] (the packed tensor's rows) with the end at least the start,
+// and the length capped at max_len (max_seqlen, which sizes the grids). For valid cu_seqlens and max_seqlen
+// this is exactly rows [cu[b], cu[b + 1]); for any other values (negative, decreasing, past the tensor,
+// longer than max_seqlen) no row outside the tensor is read or written, and every kernel of a call agrees on
+// the clamped ranges. What such a sequence computes is documented in mla_autograd.attention_varlen.
+CUTE_HOST_DEVICE void varlen_rows(int const* cu, int b, int rows, int max_len, int64_t& start, int& len) {
+  int const s = cu[b] < 0 ? 0 : (cu[b] > rows ? rows : cu[b]);
+  int const e = cu[b + 1] < s ? s : (cu[b + 1] > rows ? rows : cu[b + 1]);
+  start = s;
+  len = e - s < max_len ? e - s : max_len;
+}
+
+// Sequence info of the forward: lengths and row offsets of batch b, dense or varlen (cu_seqlens int32
+// (B+1), read through varlen_rows; seqlen_q/seqlen_k are then the max lengths, rows_q/rows_k the packed rows).
 struct SeqInfo {
   int seqlen_q, seqlen_k;   // lengths of this sequence
   int64_t offset_q, offset_k;  // first row of this sequence in the (packed or per-batch) tensor
 
-  CUTE_DEVICE SeqInfo(int b, int dense_sq, int dense_sk, int const* cu_q, int const* cu_k) {
+  CUTE_DEVICE SeqInfo(int b, int dense_sq, int dense_sk, int rows_q, int rows_k, int const* cu_q, int const* cu_k) {
     if (cu_q != nullptr) {
-      int q0 = cu_q[b], q1 = cu_q[b + 1];
-      seqlen_q = q1 - q0;
-      offset_q = q0;
+      varlen_rows(cu_q, b, rows_q, dense_sq, offset_q, seqlen_q);
     } else {
       seqlen_q = dense_sq;
       offset_q = 0;
     }
     if (cu_k != nullptr) {
-      int k0 = cu_k[b], k1 = cu_k[b + 1];
-      seqlen_k = k1 - k0;
-      offset_k = k0;
+      varlen_rows(cu_k, b, rows_k, dense_sk, offset_k, seqlen_k);
     } else {
       seqlen_k = dense_sk;
       offset_k = 0;

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mla_autograd as M
+from mla_autograd import testing as T
 from mla_autograd.testing import assert_error_within, naive_attention
 
 pytestmark = pytest.mark.gpu
@@ -57,3 +58,78 @@ def test_training_step_matches_reference(dims, causal, align, dtype):
     assert_error_within(out, ref, low, name="out")
     for name, a, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_error_within(a, r, b, name=name, factor=2.0, eps=1e-4)
+
+
+# ---- values that break the rules (no value checks, the default): the kernels follow the reference's rule ----
+
+def _rows(ranges):
+    return torch.cat([torch.arange(s, e) for s, e in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+
+
+@pytest.mark.skipif(not _has_cap(9, 0), reason="SM90 kernels need compute capability 9.0")
+@pytest.mark.parametrize("case", T.BAD_VARLEN_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dims", [(192, 128), (64, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bad_values_on_the_kernels(case, dims, causal, monkeypatch):
+    """attention_varlen with bad cu_seqlens / max_seqlen: forward and backward on the SM90 kernels compute the
+    sequences of the clamped ranges (testing.BAD_VARLEN_CASES), within 2x plain PyTorch's error on those
+    sequences gathered into a valid packed batch; gradients of rows no range covers are 0. Overlapping
+    ranges: no fault (the outputs race)."""
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    dqk, dv = dims
+    tq, tk = T.BAD_VARLEN_ROWS
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(tq, 4, dqk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(tk, 2, dqk, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(tk, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    dout = torch.randn(tq, 4, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    cq, ck = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (case.cu_q, case.cu_k))
+    assert M.explain(q, k, v, causal=causal, varlen=True).forward.backend == "sm90"
+    out = M.attention_varlen(q, k, v, cq, ck, case.max_q, case.max_k, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    if case.overlapping:
+        return
+    iq, ik = _rows(case.ranges_q).cuda(), _rows(case.ranges_k).cuda()
+    lq = [e - s for s, e in case.ranges_q]
+    lk = [e - s for s, e in case.ranges_k]
+    cu_valid_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_valid_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
+
+    def gathered(dtype):
+        qq, kk, vv = (t.detach()[i].to(dtype).requires_grad_() for t, i in ((q, iq), (k, ik), (v, ik)))
+        o = naive_attention(qq, kk, vv, causal=causal, bottom_right=True, cu_seqlens_q=cu_valid_q,
+                            cu_seqlens_k=cu_valid_k)
+        return (o, *torch.autograd.grad(o, (qq, kk, vv), dout[iq].to(dtype)))
+
+    ref, base = gathered(torch.float64), gathered(torch.bfloat16)
+    mine = (out[iq], grads[0][iq], grads[1][ik], grads[2][ik])
+    for n, a, r, b in zip(("out", "dq", "dk", "dv"), mine, ref, base):
+        assert_error_within(a, r, b, name=f"{case.name} {n}")
+    for n, grad, idx, rows in (("dq", grads[0], iq, tq), ("dk", grads[1], ik, tk), ("dv", grads[2], ik, tk)):
+        uncovered = torch.ones(rows, dtype=torch.bool, device="cuda")
+        uncovered[idx] = False
+        assert torch.all(grad[uncovered] == 0), f"{case.name}: {n} of rows no sequence covers"
+
+
+@pytest.mark.parametrize("seqlen_q,num_heads", [(1, 16), (2, 16), (1, 128), (2, 64)])
+@pytest.mark.parametrize("planned", [False, True])
+def test_decode_bad_values_on_the_kernel(seqlen_q, num_heads, planned, monkeypatch):
+    """decode with bad cache_seqlens / block_table (testing.bad_decode_case; NaN-poisoned unused pages): the
+    kernel computes the repaired problem (lengths clamped, bad pages read as zeros), with and without a
+    schedule planned by decode_schedule (which has no block_table: the kernel clamps its ranges)."""
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    bad, valid = T.bad_decode_case(seqlen_q=seqlen_q, num_heads=num_heads, device="cuda",
+                                   generator=torch.Generator().manual_seed(6))
+    assert M.explain_decode(bad["q_nope"], bad["q_pe"], bad["ckv_cache"]).decode.backend != "reference"
+    with torch.inference_mode():
+        kw = {}
+        if planned:
+            kw["schedule"] = M.decode_schedule(bad["cache_seqlens"], seqlen_q=seqlen_q, num_heads=num_heads)
+        out, lse = M.decode(**bad, softmax_scale=0.1, return_lse=True, **kw)
+        want_out, want_lse = M.decode(**valid, softmax_scale=0.1, return_lse=True)
+        torch.cuda.synchronize()
+    torch.testing.assert_close(out, want_out, atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+    assert not torch.isnan(out).any()
