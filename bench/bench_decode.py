@@ -9,15 +9,21 @@ the same cache gathered into a dense (B, S, 576) tensor, heads folded into the q
 cache is not expanded H times; the gather itself is not timed).
 Metrics: median time (triton.testing.do_bench, else CUDA events) of the call on a stream and replayed from
 a CUDA graph (as a serving loop runs it), cache GB/s = B*S*576*2 bytes / time,
-TF/s with FLOPs = 2*B*Sq*H*S*(576+512). Each case is timed twice: as decode() computes its own split-KV
-schedule (metadata kernel + main + merge), and with a schedule precomputed once by
-decode_schedule(seqlens, Sq, H) and passed as decode(..., schedule=) (main + merge: what every layer but
-the plan costs in a decode step). Adds the run to the results store bench/results/decode.json (an --ab run:
-decode-ab.json; bench/store.py: rows keyed by gpu, torch, commit and date), redraws decode.png (decode-ab.png)
-from it, and prints a table.
+TF/s with FLOPs = 2*B*Sq*H*S*(576+512). The extension's decode is timed twice per case: as it computes its own
+split-KV schedule (metadata kernel + main + merge), and with a schedule precomputed once by
+decode_schedule(seqlens, Sq, H) and passed as decode(..., schedule=) (main + merge: what every layer but the plan
+costs in a decode step). In the same case and process the public call, mla_autograd.decode(q_nope, q_pe, ckv, kpe,
+block_table, cache_seqlens, softmax_scale=, causal=) with its other arguments at their defaults, is timed the same
+way (on a stream), without and with a schedule=mla_autograd.decode_schedule(...) made once: api_over_kernel and
+api_sched_over_kernel are what the public call costs over the extension's entry point alone (validation, dispatch,
+output allocation; by default check_values=True, one 8-byte device-to-host copy per call). Adds the run to the
+results store bench/results/decode.json (an --ab run: decode-ab.json; bench/store.py: rows keyed by gpu, torch,
+commit and date), redraws decode.png (decode-ab.png) from it, and prints a table.
 
 A case with launch options (the extension's LaunchOptions, OPTION_FIELDS: --sweep, --ab) is timed through
-decode_with_options / decode_schedule_with_options; a case without (AUTO) through decode / decode_schedule.
+decode_with_options / decode_schedule_with_options; a case without (AUTO) through decode / decode_schedule. The
+public call takes no launch options: only AUTO cases have api_* columns (none with --no-api, nor in an --ab run,
+whose rows stay a kernel-against-kernel comparison).
 
 The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, device, option_fields}; each row has
   B, S, H, Sq, page, dtype, options: the case (options: the LaunchOptions fields set, {} = automatic)
@@ -27,9 +33,14 @@ The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, de
   sched_us, sched_GBps, sched_TFps      decode(..., schedule=precomputed), on a stream
   sched_graph_us, sched_graph_GBps      the same, replayed from a CUDA graph
   plan_graph_us                         decode_schedule() alone (the metadata kernel), graph replay
+  api_us, api_over_kernel               mla_autograd.decode(...) with its defaults, on a stream; api_us / kernel_us
+  api_sched_us, api_sched_over_kernel   the same with schedule=decode_schedule(...) made once; api_sched_us / sched_us
+  api_backend, api_checks_values        the backend the public call dispatched to (explain_decode) and whether its
+                                        default checks values (MLA_AUTOGRAD_CHECK_VALUES can turn them off)
+  api_max_abs_diff_vs_kernel            public call's output against the extension's (0: the same kernel)
   sdpa_us, sdpa_GBps, sdpa_TFps         the SDPA baseline (or sdpa_error); max_abs_diff_vs_sdpa (Sq = 1)
 
-    python bench/bench_decode.py [--quick] [--sweep]
+    python bench/bench_decode.py [--quick] [--sweep] [--no-sdpa] [--no-api]
     python bench/bench_decode.py --out FILE.json   # this run alone to FILE.json (+ .png), not to the store
     python bench/bench_decode.py --replot [FILE]   # only redraw the PNG of the latest run (default: decode store)
     python bench/bench_decode.py --quick --no-sdpa --ab groups=0 --rounds 3
@@ -49,6 +60,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import mla_autograd as M  # noqa: E402
+from mla_autograd import _validate  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,7 +115,7 @@ def make_case(B, S, H, Sq, page, dtype, seed=0):
     return buf, table, q_nope, q_pe, seqlens
 
 
-def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=AUTO):
+def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=AUTO, api=True):
     buf, table, q_nope, q_pe, seqlens = make_case(B, S, H, Sq, page, dtype)
     ckv, kpe = buf[..., :512], buf[..., 512:]
     out = torch.empty(B, Sq, H, 512, dtype=dtype, device="cuda")
@@ -139,6 +152,8 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=
            "graph_us": gms * 1e3, "graph_GBps": bytes_ / gms / 1e6,
            "sched_us": sms_ * 1e3, "sched_GBps": bytes_ / sms_ / 1e6, "sched_TFps": flops / sms_ / 1e9,
            "sched_graph_us": sgms * 1e3, "sched_graph_GBps": bytes_ / sgms / 1e6, "plan_graph_us": pgms * 1e3}
+    if api and not options:
+        row.update(time_public_call(q_nope, q_pe, ckv, kpe, table, seqlens, causal, out, ms, sms_))
     if sdpa:
         try:
             dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
@@ -159,12 +174,38 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=
     return row
 
 
+def time_public_call(q_nope, q_pe, ckv, kpe, table, seqlens, causal, kernel_out, kernel_ms, sched_ms) -> dict:
+    """The api_* columns of a case: mla_autograd.decode with its default arguments, timed as the kernel columns
+    are (bench_ms), without and with a schedule made once by mla_autograd.decode_schedule; kernel_out is the
+    extension's output of the same case, kernel_ms / sched_ms its times (the ratios' denominators)."""
+    B, Sq, H, _ = q_nope.shape
+    api = lambda: M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, causal=causal)  # noqa: E731
+    api_out = api()
+    cols = {"api_backend": M.explain_decode(q_nope, q_pe, ckv).decode.backend,
+            "api_checks_values": _validate.check_values_enabled(q_nope, table, seqlens,
+                                                                requested=_validate.DECODE_CHECK_VALUES),
+            "api_max_abs_diff_vs_kernel": (api_out.float() - kernel_out.float()).abs().max().item()}
+    torch.cuda.synchronize()
+    api_ms = bench_ms(api)
+    schedule = M.decode_schedule(seqlens, seqlen_q=Sq, num_heads=H)
+    api_sched = lambda: M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE,  # noqa: E731
+                                 causal=causal, schedule=schedule)
+    api_sched()
+    torch.cuda.synchronize()
+    api_sched_ms = bench_ms(api_sched)
+    cols.update({"api_us": api_ms * 1e3, "api_over_kernel": api_ms / kernel_ms,
+                 "api_sched_us": api_sched_ms * 1e3, "api_sched_over_kernel": api_sched_ms / sched_ms})
+    return cols
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
                     help="only redraw the PNG of the latest run in a results file (default the decode store)")
     ap.add_argument("--quick", action="store_true", help="only the three headline cases at page 64")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--no-api", action="store_true",
+                    help="do not time the public call mla_autograd.decode beside the extension (no api_* columns)")
     ap.add_argument("--sweep", action="store_true", help="also time launch-option variants (LaunchOptions)")
     ap.add_argument("--ab", default=None, metavar="FIELD=VALUE,...",
                     help=f"launch options ({', '.join(OPTION_FIELDS)}): time every case with the automatic launch "
@@ -209,15 +250,16 @@ def main(argv=None):
         ab = parse_options(args.ab)
         if not ab:
             raise SystemExit("--ab: no launch options given")
-        cases = [dict(c, options=o, sdpa=False, round=r) for r in range(args.rounds) for c in cases
+        cases = [dict(c, options=o, sdpa=False, api=False, round=r) for r in range(args.rounds) for c in cases
                  for o in ((AUTO, ab) if r % 2 == 0 else (ab, AUTO))]
     meta = stamp()  # at the start: the run's date is when it began
     rows = []
     for c in cases:
         c.setdefault("options", AUTO)
         if c["options"] != AUTO:
-            c["sdpa"] = False
+            c["sdpa"] = c["api"] = False
         c.setdefault("sdpa", not args.no_sdpa)
+        c.setdefault("api", not args.no_api)
         rnd = c.pop("round", None)
         r = run_case(ext, **c)
         if rnd is not None:
@@ -227,15 +269,20 @@ def main(argv=None):
     dev = torch.cuda.get_device_name()
     hdr = (f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'page':>4} {'dtype':>8} {'options':>22} | {'us':>8} {'GB/s':>7} {'TF/s':>6} | "
            f"{'graph us':>8} {'GB/s':>7} | {'sched us':>8} {'GB/s':>7} | {'s.graph':>8} {'GB/s':>7} {'plan us':>7} | "
-           f"{'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
-    print(f"\nmla_decode_sm80 on {dev}; options = LaunchOptions fields set, auto = none\n" + hdr + "\n" + "-" * len(hdr))
+           f"{'api us':>8} {'api/k':>6} {'api.s us':>8} {'api.s/s':>7} | {'sdpa us':>8} {'GB/s':>7} {'TF/s':>6}")
+    print(f"\nmla_decode_sm80 on {dev}; options = LaunchOptions fields set, auto = none; api = mla_autograd.decode "
+          f"with its defaults (api/k: over us, api.s/s: with a schedule, over sched us)")
+    print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        s = (f"{r.get('sdpa_us', float('nan')):8.1f} {r.get('sdpa_GBps', float('nan')):7.0f} {r.get('sdpa_TFps', float('nan')):6.1f}")
+        nan = float("nan")
+        a = (f"{r.get('api_us', nan):8.1f} {r.get('api_over_kernel', nan):6.3f} {r.get('api_sched_us', nan):8.1f} "
+             f"{r.get('api_sched_over_kernel', nan):7.3f}")
+        s = (f"{r.get('sdpa_us', nan):8.1f} {r.get('sdpa_GBps', nan):7.0f} {r.get('sdpa_TFps', nan):6.1f}")
         tn = options_label(r["options"])
         print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['page']:>4} {r['dtype']:>8} {tn:>22} | "
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
               f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
-              f"{r['plan_graph_us']:7.1f} | {s}")
+              f"{r['plan_graph_us']:7.1f} | {a} | {s}")
     meta.update({"device": dev, "option_fields": list(OPTION_FIELDS)})
     # A/B rows (each case twice per round, automatic and --ab options) have a store of their own
     out = record("decode-ab" if args.ab else "decode", meta, rows, out=args.out, results=args.results)

@@ -26,13 +26,17 @@ def decode(monkeypatch):
     mod = _load("bench_decode")
     calls = []
 
-    def fake_run_case(ext, B, S, H, page, Sq=1, dtype=None, sdpa=True, options=mod.AUTO):
+    def fake_run_case(ext, B, S, H, page, Sq=1, dtype=None, sdpa=True, options=mod.AUTO, api=True):
         calls.append((B, S, H, dict(options)))
+        mod.api_flags.append(api)
         us = 100.0 + len(calls)
         return {"B": B, "S": S, "H": H, "Sq": Sq, "page": page, "dtype": "bfloat16", "options": dict(options),
                 **{f"{k}_us": us for k in ("kernel", "graph", "sched", "sched_graph", "plan_graph")},
                 **{f"{k}_GBps": 1.0 for k in ("kernel", "graph", "sched", "sched_graph")},
-                "kernel_TFps": 1.0, "sched_TFps": 1.0}
+                "kernel_TFps": 1.0, "sched_TFps": 1.0,
+                **({"api_us": us * 1.02, "api_over_kernel": 1.02, "api_sched_us": us * 1.01,
+                    "api_sched_over_kernel": 1.01} if api else {})}
+    mod.api_flags = []
     monkeypatch.setattr(mod, "load_family", lambda name: None)
     monkeypatch.setattr(mod, "run_case", fake_run_case)
     monkeypatch.setattr(mod, "stamp", lambda: dict(STAMP))
@@ -67,6 +71,54 @@ def test_decode_runs_go_to_decode_or_decode_ab(decode, tmp_path):
     decode.plotted.clear()
     decode.main(["--replot", "--results", str(tmp_path)])  # the latest run of the store, drawn beside it
     assert decode.plotted == [(3, "decode.png")]
+
+
+def test_decode_times_the_public_call_beside_the_kernel_where_it_can(decode, tmp_path, capsys):
+    """The public call takes no launch options: only automatic-launch cases time it, none of an --ab run."""
+    decode.main(["--quick", "--results", str(tmp_path)])
+    assert decode.api_flags == [True] * 3
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert all(r["api_over_kernel"] == 1.02 and r["api_sched_over_kernel"] == 1.01 for r in rows)
+    assert "api/k" in capsys.readouterr().out
+    decode.api_flags.clear()
+    decode.main(["--quick", "--no-api", "--results", str(tmp_path)])
+    assert decode.api_flags == [False] * 3
+    decode.api_flags.clear()
+    decode.main(["--sweep", "--no-sdpa", "--results", str(tmp_path)])
+    assert decode.api_flags == [not opts for *_, opts in decode.calls[-len(decode.api_flags):]]
+    assert decode.api_flags.count(True) == 8 and decode.api_flags.count(False) == 9
+    decode.api_flags.clear()
+    decode.main(["--quick", "--ab", "groups=0", "--results", str(tmp_path)])
+    assert decode.api_flags == [False] * 6
+
+
+def test_decode_public_call_columns_on_the_reference_path(monkeypatch):
+    """time_public_call on CPU (the reference path), with a timer that calls once: the public call and its
+    schedule take the case's tensors as decode's signature says, and the columns are what the docstring lists."""
+    import warnings
+
+    import torch
+    mod = _load("bench_decode")
+    timed = []
+    monkeypatch.setattr(mod, "bench_ms", lambda fn: timed.append(fn()) or 0.5)
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda *a: None)
+    B, S, H, page = 2, 128, 16, 64
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(B * S // page + 1, page, 576, generator=g)
+    table = torch.randperm(buf.shape[0], generator=g)[: B * S // page].view(B, -1).to(torch.int32)
+    q_nope, q_pe = torch.randn(B, 1, H, 512, generator=g), torch.randn(B, 1, H, 64, generator=g)
+    seqlens = torch.tensor([S, S - 37], dtype=torch.int32)
+    ckv, kpe = buf[..., :512], buf[..., 512:]
+    from mla_autograd import reference
+    want = reference.decode_forward(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=mod.SCALE, causal=False)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference-path notice
+        cols = mod.time_public_call(q_nope, q_pe, ckv, kpe, table, seqlens, False, want, 0.25, 0.4)
+    assert cols["api_backend"] == "reference" and cols["api_checks_values"] is True
+    assert cols["api_max_abs_diff_vs_kernel"] == 0.0
+    assert (cols["api_us"], cols["api_over_kernel"]) == (500.0, 2.0)
+    assert (cols["api_sched_us"], cols["api_sched_over_kernel"]) == (500.0, 1.25)
+    assert len(timed) == 2 and all(torch.equal(t, want) for t in timed)  # default return_lse=False: out alone
 
 
 def test_decode_ab_options_parse_and_reject(decode):
