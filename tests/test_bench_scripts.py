@@ -1,7 +1,8 @@
-"""Where bench_decode, bench_kernels and bench_layer write their runs (CPU): the bench's results store (an A/B
-decode run in a store of its own), or --out's file alone; a CPU smoke run of bench_layer only with --out.
-The kernels need a GPU: bench_decode's and bench_kernels' timing functions are replaced by fakes here, and
-bench_layer runs for real at its --small sizes on the reference path."""
+"""Where bench_decode, bench_kernels, bench_layer and bench_transformers write their runs (CPU): the bench's
+results store (an A/B decode run in a store of its own), or --out's file alone; a CPU smoke run of bench_layer
+or bench_transformers only with --out. The kernels need a GPU: bench_decode's and bench_kernels' timing
+functions are replaced by fakes here, and bench_layer and bench_transformers run for real at their --small
+sizes on the reference path."""
 from __future__ import annotations
 
 import importlib.util
@@ -171,3 +172,60 @@ def test_layer_cpu_smoke_writes_only_with_out(tmp_path):
     assert ("decode_step", "mla_autograd") in rows
     assert all(r["median_ms"] > 0 for r in rows.values() if "error" not in r)
     assert all(r["date"] == run["date"] for r in st["rows"])
+
+
+def test_transformers_cpu_smoke_writes_every_row_only_with_out(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    mod = _load("bench_transformers")
+    args = ["--device", "cpu", "--small", "--models", "dsv3-layer", "--measurements", "prefill"]
+    assert mod.main(args + ["--results", str(tmp_path)]) == 0
+    assert not list(tmp_path.iterdir())  # a CPU run never goes to the store
+    out = tmp_path / "run.json"
+    assert mod.main(["--device", "cpu", "--small", "--out", str(out)]) == 0
+    st = json.loads(out.read_text())
+    (run,) = st["runs"]
+    assert run["gpu"] == "cpu" and run["bench"] == "bench_transformers" and run["dtype"] == "float32"
+    assert run["backends"]["tiny"]["forward"] == "reference"
+    rows = st["rows"]
+    keys = {(r["model"], r["measurement"], r["impl"], r["B"]) for r in rows}
+    impls = ("mla_autograd", "sdpa", "eager")
+    expect = {(m, w, i, b) for m, b in (("tiny", 2), ("dsv3-layer", 1)) for w in ("train_step", "prefill")
+              for i in impls}
+    expect |= {("tiny", "decode_step", i, 2) for i in impls}
+    expect |= {("dsv3-layer", "decode_step", i, b) for i in impls for b in (1, 2)}
+    assert keys == expect and len(rows) == len(expect)
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["dtype"] == "float32" and r["date"] == run["date"]
+        assert "peak_mem_gb" in r  # None on a CPU
+        if r["impl"] != "sdpa":
+            assert r["max_abs_diff_vs_sdpa"] < 1e-4  # float32: the same model under the three implementations
+        if r["impl"] == "mla_autograd":
+            assert r["speedup_vs_sdpa"] > 0
+        else:
+            assert "speedup_vs_sdpa" not in r
+    tokens = {(r["measurement"], r["B"], r["S"], r["tokens_per_s"] * r["ms"] / 1e3) for r in rows}
+    assert all(abs(n - (b if w == "decode_step" else b * s)) < 1e-6 for w, b, s, n in tokens)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_transformers_bench_failed_rows_are_recorded(monkeypatch, tmp_path):
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    mod = _load("bench_transformers")
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (a stand-in)")
+    monkeypatch.setattr(mod, "train_step", no_memory)
+    out = tmp_path / "run.json"
+    assert mod.main(["--device", "cpu", "--small", "--models", "tiny", "--measurements", "train_step,prefill",
+                     "--impls", "mla_autograd,sdpa", "--out", str(out)]) == 0
+    rows = {(r["measurement"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(w, i) for w in ("train_step", "prefill") for i in ("mla_autograd", "sdpa")}
+    for i in ("mla_autograd", "sdpa"):
+        assert "out of memory" in rows["train_step", i]["error"] and "ms" not in rows["train_step", i]
+        assert rows["prefill", i]["ms"] > 0
+    assert rows["train_step", "mla_autograd"]["speedup_vs_sdpa"] is None

@@ -8,7 +8,7 @@
 #   bash tools/gpu_check.sh --tests-only
 #   bash tools/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash tools/gpu_check.sh
-# Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS), RACECHECK_PROBE=1, GPU_TEST_FILES,
+# Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS, SANITIZE_TOOLS), RACECHECK_PROBE=1, GPU_TEST_FILES,
 # TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
 # CUTLASS_WHEEL: an nvidia-cutlass wheel file to install (into the work folder) when the package is missing.
@@ -71,7 +71,7 @@ if [ "$MODE" != "--bench-only" ]; then
     say "== compute-sanitizer (tools/sanitize_small.py)"
     # the racecheck run's decode module (-DMLA_DECODE_QK_MBAR, a cache of its own), built outside the tool
     python3 tools/sanitize_small.py --qk-mbar --build-only >"$WORK/sanitize_build.log" 2>&1 || say "qk-mbar build failed"
-    for tool in memcheck racecheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       # racecheck: the decode module built in its mbarrier mode (--qk-mbar, same bits; see tools/sanitize_small.py)
       extra=""; [ "$tool" = racecheck ] && extra="--qk-mbar"
       timeout "${SANITIZE_BUDGET:-150}" compute-sanitizer --tool "$tool" python3 tools/sanitize_small.py ${SANITIZE_ARGS:-} $extra \

@@ -221,8 +221,10 @@ _position_ids_seen: list = [None]  # (weakref to position_ids, its version, Pack
 
 def _packed_from_position_ids(position_ids: Tensor) -> PackedSequences:
     """PackedSequences from (1, S) position_ids, computed once per forward pass: every layer receives
-    the same position_ids tensor, so the result (and its one host copy) is reused across layers."""
-    if _tracing():
+    the same position_ids tensor, so the result (and its one host copy) is reused across layers. An
+    inference tensor (made under torch.inference_mode) has no version counter that would tell an in-place
+    change: each layer computes it again (one host copy per layer)."""
+    if _tracing() or position_ids.is_inference():
         return _packed_from_doc_ids(_doc_ids_from_position_ids(position_ids))
     seen = _position_ids_seen[0]
     if seen is not None and seen[0]() is position_ids and seen[1] == position_ids._version:

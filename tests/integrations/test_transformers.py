@@ -248,6 +248,22 @@ def test_packed_rows_match_eager(monkeypatch):
     assert_grads_close(ref, ours, 1e-9)
 
 
+def test_single_row_under_inference_mode_matches_no_grad(monkeypatch):
+    # One row reads its position_ids (packing as flash implementations take it); under inference_mode they
+    # are inference tensors, which have no version counter.
+    _, ours = twins(tiny_config())
+    ids = torch.randint(0, VOCAB, (1, 9))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    for kw in ({}, {"position_ids": pos}):
+        with torch.no_grad():
+            expect = ours(ids, **kw).logits
+        spy = Spy(monkeypatch)
+        with torch.inference_mode():
+            out = ours(ids, **kw).logits
+        assert len(spy.varlen if kw else spy.dense) == 2
+        torch.testing.assert_close(out, expect, atol=1e-12, rtol=1e-12)
+
+
 def test_packed_cu_seqlens_come_from_the_mask_function():
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
     p = mla_hf._packed_from_doc_ids(doc_ids)
