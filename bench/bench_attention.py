@@ -211,6 +211,14 @@ def varlen_peers(names=None):
     return {k: v for k, v in VARLEN_PEERS.items() if k in names}
 
 
+def timed_into(row: dict, what: str, f) -> float:
+    """median_ms of f, recording the wall-clock window it ran in as row[what + "_window"] (for PowerSampler)."""
+    t0 = time.time()
+    ms = median_ms(f)
+    row[f"{what}_window"] = [t0, time.time()]
+    return ms
+
+
 def bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
     dev, dt = "cuda", torch.bfloat16
     scale = dqk ** -0.5
@@ -239,11 +247,7 @@ def bench_one(B, H, S, dqk, dv, causal, impls, do_fwd=True, do_bwd=True):
                 row["error"] = "no kernel here (reference path): not timed at this size"
                 rows.append(row)
                 continue
-        def timed(name, f):  # median_ms, and the wall-clock window it ran in (for PowerSampler)
-            t0 = time.time()
-            ms = median_ms(f)
-            row[f"{name}_window"] = [t0, time.time()]
-            return ms
+        timed = functools.partial(timed_into, row)
 
         try:
             with torch.no_grad():
@@ -363,11 +367,7 @@ def bench_varlen_one(kind, H, dqk, dv, causal, impls, do_fwd=True, do_bwd=True, 
         row = varlen_row(name, kind, lengths, H, dqk, dv, causal)
         timer = bwd = fwd_bwd = None
 
-        def timed(what, f):  # median_ms, and the wall-clock window it ran in (for PowerSampler)
-            t0 = time.time()
-            ms = median_ms(f)
-            row[f"{what}_window"] = [t0, time.time()]
-            return ms
+        timed = functools.partial(timed_into, row)
 
         try:
             if name == OURS:
