@@ -358,6 +358,6 @@ def test_bench_varlen_one_on_the_reference_path(monkeypatch):
         assert r["fwd_tflops"] == pytest.approx(flops / 2.0 / 1e9)
         assert r["bwd_tflops"] == pytest.approx(2.5 * flops / 2.0 / 1e9)
         assert r["max_abs_diff_vs_first"] == 0.0
-    assert ours["backend_fwd"] == ours["backend_bwd"] == "reference" and ours["api_checks_values"] is True
+    assert ours["backend_fwd"] == ours["backend_bwd"] == "reference" and ours["api_checks_values"] is False
     assert kernel["error"].startswith("RuntimeError: no kernel here") and "fwd_ms" not in kernel
     assert len(timed) == 6  # fwd, bwd, fwd+bwd of the two that ran
