@@ -230,7 +230,7 @@ def test_public_api_under_cuda_default_device():
         bad = dargs[4].clone()
         bad[2, 0] = -1
         with torch.no_grad(), pytest.raises(ValueError, match=r"block_table\[2, 0\] = -1 is not a page index"):
-            M.decode(*dargs[:4], bad, dargs[5], softmax_scale=0.2)
+            M.decode(*dargs[:4], bad, dargs[5], softmax_scale=0.2, check_values=True)
 
 
 def test_layer_built_under_meta_context_then_materialised():
