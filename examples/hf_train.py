@@ -137,7 +137,9 @@ def main(argv=None):
     chars, data = encode_corpus(args.data)
     cfg = make_config(preset, len(chars), seq)
     torch.manual_seed(args.seed)
-    init = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(dtype)
+    # dtype= at construction, as from_pretrained builds (a later .to(dtype) would also cast the rotary
+    # embedding's inv_freq buffer, which transformers keeps in float32, and the reloaded model would differ)
+    init = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype)
     n_params = sum(p.numel() for p in init.parameters())
     print(f"preset={preset} device={device} dtype={str(dtype).replace('torch.', '')} params={n_params / 1e6:.2f}M "
           f"vocab={len(chars)} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads} "
@@ -148,7 +150,7 @@ def main(argv=None):
 
     results = {}
     for impl in (name, "sdpa"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl).to(device, dtype)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype).to(device)
         model.load_state_dict(init.state_dict())
         losses, seconds, tokens = train(model, batch_stream(data, batch, seq, args.packed, args.seed), steps,
                                         args.lr, device)
