@@ -534,6 +534,11 @@ def annotate_power(rows: list, sampler) -> None:
         print("\n".join(lines))
 
 
+def backend_text(row: dict) -> str:
+    """"fwd/bwd" backends of a row, e.g. "sm90/sm90" ("" when none was recorded)."""
+    return row.get("backend_fwd", "") + ("/" + row["backend_bwd"] if "backend_bwd" in row else "")
+
+
 def print_tables(rows: list, meta: dict) -> None:
     """The dense rows beside cuDNN's, then the varlen rows with the public call over its kernels."""
     nan = float("nan")
@@ -551,7 +556,7 @@ def print_tables(rows: list, meta: dict) -> None:
                if x["impl"] == "sdpa_cudnn" and workload_key(x) == workload_key(r) and "error" not in x]
         rf = r["fwd_tflops"] / cud[0]["fwd_tflops"] if cud and "fwd_tflops" in r and "fwd_tflops" in cud[0] else nan
         rb = r.get("bwd_tflops", 0) / cud[0]["bwd_tflops"] if cud and "bwd_tflops" in cud[0] else nan
-        be = r.get("backend_fwd", "") + ("/" + r["backend_bwd"] if "backend_bwd" in r else "")
+        be = backend_text(r)
         print(f"{w:<26}{r['impl']:<20}{be:<10}{r.get('fwd_tflops', nan):>9.1f}{r.get('bwd_tflops', 0):>9.1f}"
               f"{rf:>10.2f}{rb:>10.2f}")
     varlen = [r for r in rows if r.get("case") == "varlen"]
@@ -565,7 +570,7 @@ def print_tables(rows: list, meta: dict) -> None:
         if "error" in r:
             print(f"{w:<34}{r['impl']:<22}{'':<10}  {r['error'][:60]}")
             continue
-        be = r.get("backend_fwd", "") + ("/" + r["backend_bwd"] if "backend_bwd" in r else "")
+        be = backend_text(r)
         ratios = (f"{r['api_over_kernel']:>10.3f}" if "api_over_kernel" in r else f"{'':>10}") + \
             (f"{r['bwd_api_over_kernel']:>7.3f}" if "bwd_api_over_kernel" in r else f"{'':>7}") + \
             (f"{r['fwd_bwd_api_over_kernel']:>8.3f}" if "fwd_bwd_api_over_kernel" in r else "")
