@@ -107,3 +107,34 @@ def test_sm100_forward_output_carries_its_own_padding():
     assert k.stride()[1] == 0 and _kernel_ready(k).is_contiguous()
     dense = torch.randn(2, 16, 4, 64)
     assert _kernel_ready(dense) is dense
+
+
+def test_value_checks_before_kernels_that_need_them(monkeypatch):
+    """Varlen calls check cu_seqlens values (one host copy) only where the kernel needs it: families that
+    read them unclamped (Family.guards_values false: SM100) and the deterministic backward; never for dense
+    calls, never under MLA_AUTOGRAD_CHECK_VALUES=0; and a bad value then raises before the kernel."""
+    from mla_autograd import _ops, _validate
+    from mla_autograd._kernels import FAMILIES
+
+    assert [n for n, f in FAMILIES.items() if not f.guards_values] == ["fmha_fwd_sm100", "fmha_bwd_sm100"]
+    q, k = torch.randn(7, 2, 8), torch.randn(9, 2, 8)
+    cq, ck = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    seen = []
+    real = _validate.check_varlen_values
+    monkeypatch.setattr(_validate, "check_varlen_values", lambda *a: (seen.append(a[2:]), real(*a))[1])
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+
+    def checked(family, cu_q=cq, cu_k=ck, deterministic=False, mq=4, mk=5):
+        seen.clear()
+        _ops._check_values_before_kernel(family, q, k, cu_q, cu_k, mq, mk, deterministic)
+        return len(seen)
+
+    assert checked("fmha_fwd_sm90") == 0 and checked("fmha_bwd_sm90") == 0
+    assert checked("fmha_fwd_sm100") == 1 and checked("fmha_bwd_sm100") == 1
+    assert checked("fmha_bwd_sm90", deterministic=True) == 1
+    assert checked("fmha_fwd_sm100", cu_q=None, cu_k=None) == 0
+    assert seen == [] and checked("fmha_bwd_sm100") == 1 and seen == [(7, 9, 4, 5)]
+    with pytest.raises(ValueError, match="max_seqlen_k = 4 is smaller"):
+        checked("fmha_fwd_sm100", mk=4)
+    monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
+    assert checked("fmha_fwd_sm100", mk=4) == 0
