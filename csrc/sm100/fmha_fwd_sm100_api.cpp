@@ -305,7 +305,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     MLA_CHECK(cu_seqlens_k->device() == q.device(), "mla_autograd sm100: cu_seqlens_k must be on q's device");
   }
   c10::cuda::CUDAGuard guard(q.device());
-  const DeviceInfo dev = device_info(q.get_device());
+  const DeviceInfo& dev = device_info(q.get_device());
   MLA_CHECK(dev.major == 10, "mla_autograd sm100: fmha_fwd_sm100 needs an SM100 GPU (compute capability 10.x, built for sm_100a); this device is ",
               dev.major, ".", dev.minor);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/device_info.h"
 #include "sm100/sm100_fmha_launch.h"
 
 namespace mla_sm100 {
@@ -88,16 +89,8 @@ inline RowHead row_head_of(const at::Tensor& t) {
   return r;
 }
 
-struct DeviceInfo {
-  int major = 0, minor = 0, sm_count = 0;
-};
-inline DeviceInfo device_info(int device) {
-  DeviceInfo d;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
-  return d;
-}
+using mla::DeviceInfo;   // common/device_info.h: read once per device
+using mla::device_info;
 
 inline void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int64_t batch_plus_1) {
   const at::Tensor& c = *cu;

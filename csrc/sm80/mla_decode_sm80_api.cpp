@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/device_info.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
 #include "sm80/mla_decode_sm80_stamps.h"
@@ -26,7 +27,6 @@ namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-struct DevInfo { int major = 0, sms = 0, smem_optin = 0, smem_per_sm = 0; };
 
 // Launch options of the test entry points (decode_with_options, decode_schedule_with_options, launch_info): each
 // one, away from its default, makes on this device a choice that the automatic launch makes on another device or
@@ -61,23 +61,6 @@ std::string shape_str(const at::Tensor& t) {
   return s + ")";
 }
 
-// Per-device attributes, queried once (no ATen/cuda/CUDAContext.h: it needs the cuBLAS/cuSPARSE headers).
-const DevInfo& dev_info(int device) {
-  static DevInfo cache[64];
-  static bool have[64] = {};
-  MLA_CHECK(device >= 0 && device < 64, "decode: device index ", device, " out of range");
-  if (!have[device]) {
-    DevInfo d;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    cache[device] = d;
-    have[device] = true;
-  }
-  return cache[device];
-}
-
 // Launch shape of a decode call: every decision that depends only on (B, Sq, H), the device and the launch
 // options, among them the size of the split-KV schedule. decode() and decode_schedule() both take it from
 // here, so a schedule and the decode that consumes it agree by construction; so does the size that the fake
@@ -98,7 +81,7 @@ struct LaunchShape {
   int64_t sched_numel() const { return num_items * 4 + B * 2; }
 };
 
-LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, int64_t force_splits,
+LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const mla::DeviceInfo& prop, int64_t force_splits,
                          const LaunchOptions& opt, const char* fn) {
   LaunchShape ls;
   ls.B = B;
@@ -138,7 +121,7 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const DevInfo& prop, 
   ls.ctas = ctas;
   MLA_CHECK((ls.ws ? ls.ws_stages : ls.stages) >= mds::kMinStages, fn, ": not enough shared memory per block (",
               prop.smem_optin, " B) for the m_tile ", m_tile, " kernel");
-  ls.num_parts = std::max(1, prop.sms * ctas / ls.num_mblocks);
+  ls.num_parts = std::max(1, prop.sm_count * ctas / ls.num_mblocks);
   ls.num_items = force_splits > 0 ? B * force_splits : B + ls.num_parts;
   MLA_CHECK(ls.num_items <= 65535, fn, ": too many work items (", ls.num_items, ")");
   // A split must read more KV than its partial output costs to write and merge (rows x 2 KB).
@@ -230,7 +213,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
 
   c10::cuda::CUDAGuard guard(dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
-  const DevInfo& prop = dev_info(dev.index());
+  const mla::DeviceInfo& prop = mla::device_info(dev.index());
   MLA_CHECK(prop.major >= 8, "decode: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
 
   // Launch shape from (B, Sq, H), the device and the options (the same function sizes decode_schedule).
@@ -304,7 +287,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   // orders it, or the caller's event does when it came from another stream), so it is complete when read.
   mds::launch_decode(p, m_tile, bf16, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  mds::launch_combine(p, bf16, prop.sms, stream);
+  mds::launch_combine(p, bf16, prop.sm_count, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -365,7 +348,7 @@ at::Tensor schedule_impl(const at::Tensor& cache_seqlens, int64_t seqlen_q, int6
 
   c10::cuda::CUDAGuard guard(dev);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
-  const DevInfo& prop = dev_info(dev.index());
+  const mla::DeviceInfo& prop = mla::device_info(dev.index());
   MLA_CHECK(prop.major >= 8, "decode_schedule: mla_decode_sm80 needs compute capability >= 8.0, got major ", prop.major);
   const LaunchShape ls = launch_shape(B, seqlen_q, num_heads, prop, num_splits, opt, "decode_schedule");
   at::Tensor sched = at::empty({ls.sched_numel()}, opts);
@@ -399,7 +382,7 @@ at::Tensor decode_schedule_with_options(const at::Tensor& cache_seqlens, int64_t
 int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, int64_t num_splits) {
   check_schedule_args("schedule_numel", batch, seqlen_q, num_heads, num_splits);
   if (batch == 0) return 0;
-  return launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), num_splits, kAutoLaunch, "schedule_numel")
+  return launch_shape(batch, seqlen_q, num_heads, mla::device_info(int(device)), num_splits, kAutoLaunch, "schedule_numel")
       .sched_numel();
 }
 
@@ -410,7 +393,7 @@ int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64
 py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, const LaunchOptions& options) {
   MLA_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads >= 1, "launch_info: batch, seqlen_q and num_heads must be >= 1");
   check_options(options, "launch_info");
-  const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, dev_info(int(device)), 0, options, "launch_info");
+  const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, mla::device_info(int(device)), 0, options, "launch_info");
   const char* kernel = ls.ws ? "warp_specialized"
                      : ls.m_tile < 64 ? "all_warps"
                      : ls.groups ? "all_warps_wide_groups" : "all_warps_narrow";

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common/checks.h"
+#include "common/device_info.h"
 #include "fmha_bwd_sm90_config.h"
 #include "fmha_bwd_sm90_params.h"
 
@@ -150,11 +151,9 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   MLA_CHECK(tq < (int64_t(1) << 31) && tk < (int64_t(1) << 31), "fmha_bwd_sm90: too many rows");
 
   c10::cuda::CUDAGuard guard(q.device());
-  int cc_major = 0, cc_minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  MLA_CHECK(cc_major == 9 && cc_minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
-              cc_major, ".", cc_minor);
+  const mla::DeviceInfo& dev = mla::device_info(q.get_device());
+  MLA_CHECK(dev.major == 9 && dev.minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
+              dev.major, ".", dev.minor);
 
   // Nothing to attend: zero gradients (no launch needed).
   if (q.size(0) == 0 || k.size(0) == 0 || (!varlen && (sq == 0 || sk == 0)) || hq == 0) {

@@ -11,6 +11,8 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/device_info.h"
+
 namespace mla_sm90 {
 
 using namespace cute;
@@ -105,17 +107,9 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
   return {g * group + (r - rank * gsz), rank};
 }
 
-// L2 size of the current device in bytes (50 MiB if the query fails), read once per process: the
-// launchers size their grouped_tile groups by it.
-inline int device_l2_bytes() {
-  static int const bytes = [] {
-    int dev = 0, b = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&b, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
-      b = 50 << 20;
-    return b;
-  }();
-  return bytes;
-}
+// L2 size of the current device in bytes (common/device_info.h: read once per device): the launchers size
+// their grouped_tile groups by it.
+inline int device_l2_bytes() { return mla::current_device_info().l2_bytes; }
 
 // ------------------------------------------------------------------------------------------------
 // SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).
