@@ -50,13 +50,10 @@ __device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int
   CtaWork w;
   w.sq = get_seq<BM>(p, b);
   w.n_block = n_block; w.hkv = hkv; w.b = b;
-  w.off = p.bottom_right ? w.sq.len_k - w.sq.len_q : 0;
-  const int m_max = (w.sq.len_q + BM - 1) / BM;
-  w.m_min = 0;
-  if (p.causal) {
-    int x = n_block * BN - w.off;
-    w.m_min = x <= 0 ? 0 : x / BM;
-  }
+  const mla_sm90::MaskInfo mask(w.sq.len_q, w.sq.len_k, p.causal, p.bottom_right);  // the forward's geometry
+  w.off = mask.diag;
+  int m_max;
+  mask.m_block_range<BM, BN>(n_block, w.m_min, m_max);
   w.n_m = m_max > w.m_min ? m_max - w.m_min : 0;
   w.group = p.hq / p.hkv;
   w.total_iters = w.group * w.n_m;

@@ -75,6 +75,18 @@ struct MaskInfo {
     n_max = hi <= 0 ? 0 : (hi + kBN - 1) / kBN;
   }
 
+  // Query blocks [m_min, m_max) of kBM rows that a key block of kBN keys must visit (the backward's loop):
+  // under a causal mask the first is the one holding query n * kBN - diag, the first that sees key n * kBN.
+  template <int kBM, int kBN>
+  CUTE_DEVICE void m_block_range(int n_block, int& m_min, int& m_max) const {
+    m_max = (seqlen_q + kBM - 1) / kBM;
+    m_min = 0;
+    if (causal) {
+      int const x = n_block * kBN - diag;
+      m_min = x <= 0 ? 0 : x / kBM;
+    }
+  }
+
   // Whether key block n needs any masking for M-block m (seqlen_k bound or causal diagonal).
   template <int kBM, int kBN>
   CUTE_DEVICE bool block_needs_mask(int m_block, int n_block) const {
