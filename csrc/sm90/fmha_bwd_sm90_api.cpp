@@ -17,6 +17,7 @@
 
 #include "common/checks.h"
 #include "common/device_info.h"
+#include "common/options.h"
 #include "fmha_bwd_sm90_config.h"
 #include "fmha_bwd_sm90_params.h"
 
@@ -46,18 +47,13 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
 //   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run.
 FmhaBwdSm90Options parse_options(const py::dict& options) {
   FmhaBwdSm90Options o;
+  constexpr const char* fn = "fmha_bwd_sm90";
   for (auto item : options) {
-    MLA_CHECK(py::isinstance<py::str>(item.first), "fmha_bwd_sm90: options keys must be strings");
-    const std::string key = item.first.cast<std::string>();
+    const std::string key = mla::option_key(item.first, fn);
     if (key == "l2_group") {
-      MLA_CHECK(py::isinstance<py::int_>(item.second) && !py::isinstance<py::bool_>(item.second),
-                "fmha_bwd_sm90: options['l2_group'] must be an int");
-      const int64_t g = item.second.cast<int64_t>();
-      MLA_CHECK(g >= 0 && g < (int64_t(1) << 31), "fmha_bwd_sm90: options['l2_group'] must be in [0, 2^31), got ", g);
-      o.pair_group = int(g);
+      o.pair_group = mla::option_count(item.second, fn, key);
     } else if (key == "poison_workspace") {
-      MLA_CHECK(py::isinstance<py::bool_>(item.second), "fmha_bwd_sm90: options['poison_workspace'] must be a bool");
-      o.poison_workspace = item.second.cast<bool>();
+      o.poison_workspace = mla::option_bool(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key, "' (known: l2_group, poison_workspace)");
     }

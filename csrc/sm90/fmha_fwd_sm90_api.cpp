@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include "common/checks.h"
+#include "common/options.h"
 #include "sm90/fmha_fwd_sm90_params.h"
 
 namespace {
@@ -33,15 +34,11 @@ void check_strides(const at::Tensor& t, const char* name) {
 //   "l2_group": int >= 0, (head, batch) pairs per L2 launch group (0: every pair interleaved).
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
+  constexpr const char* fn = "fmha_fwd_sm90";
   for (auto item : options) {
-    MLA_CHECK(pybind11::isinstance<pybind11::str>(item.first), "fmha_fwd_sm90: options keys must be strings");
-    const std::string key = item.first.cast<std::string>();
+    const std::string key = mla::option_key(item.first, fn);
     if (key == "l2_group") {
-      MLA_CHECK(pybind11::isinstance<pybind11::int_>(item.second) && !pybind11::isinstance<pybind11::bool_>(item.second),
-                "fmha_fwd_sm90: options['l2_group'] must be an int");
-      const int64_t g = item.second.cast<int64_t>();
-      MLA_CHECK(g >= 0 && g < (int64_t(1) << 31), "fmha_fwd_sm90: options['l2_group'] must be in [0, 2^31), got ", g);
-      o.l2_head_group = int(g);
+      o.l2_head_group = mla::option_count(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group)");
     }

@@ -1,0 +1,46 @@
+"""The SM90 families' test-only launch options (fwd_with_options / bwd_with_options): every bad options
+dict is refused with an error naming the entry point and the key, before anything else is read. Runs on a
+CPU: the options are parsed before the tensors are looked at (the modules build with nvcc, no GPU)."""
+import shutil
+
+import pytest
+import torch
+
+from mla_autograd._build import family_available, load_family
+
+for _fam in ("fmha_fwd_sm90", "fmha_bwd_sm90"):
+    _ok, _why = family_available(_fam)
+    if not _ok:
+        pytest.skip(f"cannot build {_fam} here: {_why}", allow_module_level=True)
+if shutil.which("nvcc") is None:
+    pytest.skip("nvcc not found", allow_module_level=True)
+
+BAD = [
+    ({1: 2}, "options keys must be strings"),
+    ({"l2_group": True}, r"options\['l2_group'\] must be an int"),
+    ({"l2_group": 1.5}, r"options\['l2_group'\] must be an int"),
+    ({"l2_group": -1}, r"options\['l2_group'\] must be in \[0, 2\^31\), got -1"),
+    ({"l2_group": 2 ** 31}, r"options\['l2_group'\] must be in \[0, 2\^31\)"),
+    ({"stages": 2}, "unknown option 'stages'"),
+]
+
+
+def _tensors():
+    t = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, 8)
+    return t, lse
+
+
+@pytest.mark.parametrize("options,match", BAD)
+def test_fwd_options_refused(options, match):
+    t, lse = _tensors()
+    with pytest.raises(RuntimeError, match="fmha_fwd_sm90: " + match):
+        load_family("fmha_fwd_sm90").fwd_with_options(t, t, t, t, lse, None, None, 8, 8, 0.125, False, True, options)
+
+
+@pytest.mark.parametrize("options,match", BAD + [({"poison_workspace": 1}, r"options\['poison_workspace'\] must be a bool")])
+def test_bwd_options_refused(options, match):
+    t, lse = _tensors()
+    with pytest.raises(RuntimeError, match="fmha_bwd_sm90: " + match):
+        load_family("fmha_bwd_sm90").bwd_with_options(t, t, t, t, t, lse, t, t, t, None, None, 8, 8, 0.125, False,
+                                                      True, False, options)
