@@ -197,8 +197,7 @@ def bad_decode_case(*, seqlen_q: int = 1, num_heads: int = 16, page_size: int = 
                                          dim_ckv=dim_ckv, dim_kpe=dim_kpe, dtype=dtype, device="cpu",
                                          extra_pages=2, generator=generator)
     num_pages = ckv.shape[0]
-    table = torch.cat([table, table.new_full((table.shape[0], capacity_pages - table.shape[1]), 0)], 1) \
-        if table.shape[1] < capacity_pages else table[:, :capacity_pages].clone()
+    assert table.shape[1] == capacity_pages  # the longest requests fill the table: its capacity is cap
     B = len(valid_lens)
     bad_lens = torch.tensor([-7, cap + 50, 0, INT32_MAX, valid_lens[4], valid_lens[5]], dtype=torch.int32)
     bad_table = table.clone()

@@ -97,7 +97,7 @@ def test_low_precision_inputs_computed_in_float32(dtype):
 
 # ---- values that break the rules: the reference path is the spec the kernels follow (testing.BAD_*) ----
 
-@pytest.mark.parametrize("case", [c for c in T.BAD_VARLEN_CASES], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", T.BAD_VARLEN_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_bad_values_take_the_clamped_ranges(case, causal):
     g = torch.Generator().manual_seed(3)
