@@ -18,6 +18,7 @@ from torch import Tensor
 from . import _build, _validate, reference
 from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
+from .schedule import DecodeSchedule
 
 __all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention_call", "decode_call",
            "schedule_numel"]
@@ -194,15 +195,74 @@ def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tens
                                         softmax_scale=softmax_scale, causal=causal)
     if schedule is not None and schedule.numel() == 0:
         schedule = None  # made while the table routed decode to the reference path (the kernel computes its own)
+    ext = _build.load_family(d.family)
+    route = _decode_route_key(q_nope, q_pe, ckv_cache)
     q_nope, q_pe = _kernel_ready(q_nope), _kernel_ready(q_pe)
-    out = q_nope.new_empty(B, Sq, H, Dc)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q_nope.device)
-    _build.load_family(d.family).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table.contiguous(),
-                                        cache_seqlens.contiguous(), out, lse, softmax_scale, causal, schedule)
+    out, lse = ext.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table.contiguous(), cache_seqlens.contiguous(),
+                          None, None, softmax_scale, causal, schedule)
+    _decode_kernels[route] = ext
     return out, lse
 
 
 mla_decode = torch.library.custom_op("mla_autograd::mla_decode", mutates_args=())(_mla_decode)
+
+
+# ---- decode's eager fast path ----
+# A decode step is short (tens of microseconds on the GPU for small batches), so the host time of the call
+# matters: the Python checks, the dispatch and the allocations of the checked path take longer than the
+# kernels at such sizes. Once a call's route has been checked and taken (in _mla_decode), later eager calls
+# with the same route key go straight to the kernel family, whose C++ layer checks every argument before it
+# launches anything and allocates out and lse itself. Whatever it refuses goes the checked way, which raises
+# the error naming the argument (or copies an input the kernel cannot take as it is).
+
+_decode_kernels: dict = {}  # route key (_decode_route_key) -> the extension module of the family serving it
+
+
+def _decode_route_key(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> tuple:
+    """What decode's route depends on (decode_call's fields) plus MLA_AUTOGRAD_BACKEND."""
+    return (q_nope.device, q_nope.dtype, q_nope.shape[1:], q_pe.shape[-1], ckv_cache.shape[1],
+            os.environ.get("MLA_AUTOGRAD_BACKEND"))
+
+
+def decode_fast(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
+                cache_seqlens: Tensor, softmax_scale, causal, schedule) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) of mla_autograd.decode (arguments as there; check_values off) straight from its kernel, or
+    None where the call must take the checked path: not plain eager CUDA tensors, a route not taken before,
+    autograd recording, an empty problem, a schedule that does not match the call, MLA_AUTOGRAD_CHECK_VALUES
+    set, or anything the kernel's own checks refuse."""
+    T = torch.Tensor
+    if not (type(q_nope) is T and type(q_pe) is T and type(ckv_cache) is T and type(kpe_cache) is T
+            and type(block_table) is T and type(cache_seqlens) is T):
+        return None
+    if type(softmax_scale) not in (float, int) or os.environ.get("MLA_AUTOGRAD_CHECK_VALUES") is not None:
+        return None
+    try:
+        ext = _decode_kernels.get(_decode_route_key(q_nope, q_pe, ckv_cache))
+    except IndexError:  # fewer dimensions than decode takes
+        return None
+    if ext is None or torch.compiler.is_compiling() or q_nope.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and (q_nope.requires_grad or q_pe.requires_grad or ckv_cache.requires_grad
+                                    or kpe_cache.requires_grad):
+        return None
+    sched = None
+    if schedule is not None:
+        if (type(schedule) is not DecodeSchedule or schedule.device != q_nope.device
+                or (schedule.batch, schedule.seqlen_q, schedule.num_heads) != q_nope.shape[:3]
+                or schedule.tensor.numel() == 0):
+            return None
+        # the staleness checks of _validate.check_decode_schedule (a mismatch takes the checked path)
+        if schedule.seqlens_ptr is not None and schedule.seqlens_ptr != cache_seqlens.data_ptr():
+            return None
+        if (schedule.seqlens_version is not None and not cache_seqlens.is_inference()
+                and cache_seqlens._version != schedule.seqlens_version):
+            return None
+        sched = schedule.tensor
+    try:
+        return ext.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, None, None,
+                          float(softmax_scale), bool(causal), sched)
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 @mla_decode.register_fake

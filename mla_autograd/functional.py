@@ -284,6 +284,11 @@ def decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, b
     with causal and 0 < cache_seqlens[b] < Sq, a new token that sees no position gets out 0 and lse -inf.
     Nothing is written outside out and lse.
     """
+    if not check_values:
+        fast = _ops.decode_fast(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
+                                causal, schedule)
+        if fast is not None:
+            return fast if return_lse else fast[0]
     V.check_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, softmax_scale,
                    check_values=check_values, schedule=schedule)
     V.check_inference_only(q_nope, q_pe, ckv_cache, kpe_cache)

@@ -285,3 +285,42 @@ def test_value_checks_synchronise_once_on_cuda(monkeypatch):
         torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out))
     varlen_step()
     assert syncs(varlen_step) == 0
+
+
+@pytest.mark.gpu
+def test_layer_and_cache_do_not_synchronise_on_cuda():
+    """The nn layer on a GPU: a packed training step, a packed prefill into the cache with cu_seqlens on the host,
+    and cached decode steps that hand out new pages (host bookkeeping, block_table rows copied to the device)
+    never synchronise with the device."""
+    m = MultiHeadLatentAttention(256, 16, 64, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                 v_head_dim=128, device="cuda", dtype=torch.bfloat16)
+    lens = [5, 70, 3]
+    cu_host = _cu(lens)
+
+    def syncs(fn):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [str(w.message) for w in record if "synchronizing" in str(w.message)]
+
+    x = torch.randn(sum(lens), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def train_step():
+        m(x, cu_seqlens=cu_host, max_seqlen=max(lens)).float().square().mean().backward()
+    train_step()
+    assert syncs(train_step) == []
+    cache = MLACache(512, 64).allocate(num_pages=16, page_size=64, batch=3, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        xp = x.detach()
+        assert syncs(lambda: m(xp, cu_seqlens=cu_host, max_seqlen=max(lens), cache=cache)) == []
+        step = torch.randn(3, 1, 256, device="cuda", dtype=torch.bfloat16)
+        m(step, cache=cache)  # warm: the decode route
+        # lengths 6/71/4 -> 66/131/64: the first two sequences cross a page boundary (new pages handed out)
+        for _ in range(60):
+            assert syncs(lambda: m(step, cache=cache)) == []
+    assert cache.lengths == [66, 131, 64]

@@ -138,3 +138,58 @@ def test_value_checks_before_kernels_that_need_them(monkeypatch):
         checked("fmha_fwd_sm100", mk=4)
     monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
     assert checked("fmha_fwd_sm100", mk=4) == 0
+
+
+class _FakeDecodeKernel:
+    """Stands in for a decode kernel family in decode's fast-path memo: records calls, returns a sentinel or
+    raises as the C++ layer does on an argument it refuses."""
+
+    def __init__(self, refuse=False):
+        self.calls, self.refuse = [], refuse
+
+    def decode(self, *args):
+        self.calls.append(args)
+        if self.refuse:
+            raise RuntimeError("decode: refused")
+        q_nope = args[0]
+        B, Sq, H, Dc = q_nope.shape
+        return torch.full_like(q_nope, 7.0), torch.zeros(B, H, Sq)
+
+
+def _decode_case():
+    lens = torch.tensor([5, 3], dtype=torch.int32)
+    ckv, kpe, table = random_paged_cache(lens, page_size=4, dim_ckv=16, dim_kpe=8, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 1, 2, 8, generator=g), ckv, kpe, table, lens)
+
+
+def test_decode_fast_path_takes_only_memoised_routes_and_falls_back(monkeypatch):
+    """decode's fast path runs a route's kernel only after the checked path took that route, never while values
+    are checked or autograd records, and anything the kernel refuses goes the checked way (here the reference
+    path, which the CPU route is)."""
+    from mla_autograd import _ops
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    args = _decode_case()
+    want = M.decode(*args, softmax_scale=0.3)  # the reference path: nothing memoised for it
+    key = _ops._decode_route_key(args[0], args[1], args[2])
+    assert key not in _ops._decode_kernels
+    fake = _FakeDecodeKernel()
+    monkeypatch.setitem(_ops._decode_kernels, key, fake)
+    with torch.no_grad():
+        assert torch.all(M.decode(*args, softmax_scale=0.3) == 7.0) and len(fake.calls) == 1
+        assert fake.calls[0][6:] == (None, None, 0.3, True, None)  # out/lse allocated by the kernel's layer
+        torch.testing.assert_close(M.decode(*args, softmax_scale=0.3, check_values=True), want)
+        monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
+        torch.testing.assert_close(M.decode(*args, softmax_scale=0.3), want)
+        monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES")
+        assert len(fake.calls) == 1
+    q = args[0].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference only"):
+        M.decode(q, *args[1:], softmax_scale=0.3)
+    refusing = _FakeDecodeKernel(refuse=True)
+    monkeypatch.setitem(_ops._decode_kernels, key, refusing)
+    with torch.no_grad():
+        torch.testing.assert_close(M.decode(*args, softmax_scale=0.3), want)
+        with pytest.raises(ValueError, match="softmax_scale"):
+            M.decode(*args, softmax_scale=-1.0)
+    assert len(refusing.calls) == 2

@@ -9,7 +9,7 @@
 #   bash tools/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash tools/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS, SANITIZE_TOOLS), RACECHECK_PROBE=1, GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1, BWD_BENCH=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1, BWD_BENCH=1, HOST_PROFILE=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
 # CUTLASS_WHEEL: an nvidia-cutlass wheel file to install (into the work folder) when the package is missing.
 set -uo pipefail
@@ -125,6 +125,10 @@ if [ "$MODE" != "--tests-only" ]; then
   if [ "${LAYER_BUDGET:-120}" -gt 0 ]; then
     timeout "${LAYER_BUDGET:-120}" python3 bench/bench_layer.py ${LAYER_ARGS:-} >"$WORK/bench_layer.log" 2>&1
     say "bench_layer rc=$?"; tail -n 14 "$WORK/bench_layer.log" | tee -a "$summary"
+  fi
+  if [ -n "${HOST_PROFILE:-}" ]; then  # host time per public decode call beside the extension's (tools/profile_host.py)
+    timeout 120 python3 tools/profile_host.py >"$WORK/profile_host.log" 2>&1
+    say "profile_host rc=$?"; grep -E "per call" "$WORK/profile_host.log" | tee -a "$summary"
   fi
   if [ -n "${PROFILE_ARGS:-}" ]; then  # per-kernel times of chosen calls (tools/profile_ops.py)
     timeout "${PROFILE_BUDGET:-150}" python3 tools/profile_ops.py $PROFILE_ARGS >"$WORK/profile.log" 2>&1

@@ -1,11 +1,12 @@
-"""Host time of the public calls, where their kernels are short enough for it to show: cProfile of many
-decode calls (B=4, S=32768, H=16, page 64: a ~60 us kernel), without and with a precomputed schedule.
+"""Host time of the public calls, where their kernels are short enough for it to show: many decode calls
+(B=4, S=32768, H=16, page 64: a ~60 us kernel), without and with a precomputed schedule, beside the
+extension call alone and a cProfile of the public call.
 
-    python tools/profile_host.py [--calls N] [--top K]
+    python tools/profile_host.py [--calls N] [--rounds R] [--top K]
 
-Prints the host microseconds per call of the public call and of the extension call alone, measured with
-torch.cuda.synchronize() only at the end (so the host runs ahead while the GPU is busier than it), and the
-top functions by own time.
+Host microseconds per call: N calls queued without a synchronisation (N small enough that the launch queue
+never fills, so the host never waits for the GPU), the median over R rounds; the wall time per call of the
+same rounds (the GPU's time, when it is the slower side).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import argparse
 import cProfile
 import math
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ from mla_autograd._build import load_family  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     B, S, H, page = 4, 32768, 16, 64
@@ -44,6 +47,8 @@ def main() -> None:
         sched = M.decode_schedule(lens, seqlen_q=1, num_heads=H)
         calls = {
             "extension decode": lambda: ext.decode(qn, qp, ckv, kpe, table, lens, out, lse, scale, True, schedule=None),
+            "extension decode, allocating": lambda: ext.decode(qn, qp, ckv, kpe, table, lens, None, None, scale, True,
+                                                               schedule=None),
             "public decode": lambda: M.decode(qn, qp, ckv, kpe, table, lens, softmax_scale=scale),
             "public decode, schedule": lambda: M.decode(qn, qp, ckv, kpe, table, lens, softmax_scale=scale,
                                                          schedule=sched),
@@ -51,14 +56,17 @@ def main() -> None:
         for name, fn in calls.items():
             for _ in range(50):
                 fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(a.calls):
-                fn()
-            host = (time.perf_counter() - t0) / a.calls * 1e6
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / a.calls * 1e6
-            print(f"{name}: host {host:.1f} us per call, wall {wall:.1f} us per call", flush=True)
+            host, wall = [], []
+            for _ in range(a.rounds):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(a.calls):
+                    fn()
+                host.append((time.perf_counter() - t0) / a.calls * 1e6)
+                torch.cuda.synchronize()
+                wall.append((time.perf_counter() - t0) / a.calls * 1e6)
+            print(f"{name}: host {statistics.median(host):.1f} us per call, wall {statistics.median(wall):.1f} us "
+                  f"per call", flush=True)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(a.calls):

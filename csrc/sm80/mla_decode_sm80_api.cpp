@@ -148,10 +148,14 @@ void check_schedule_size(const at::Tensor& schedule, int64_t need, int64_t B, in
               Sq, ", num_heads=", H, splits, ")");
 }
 
-void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
-                 const at::Tensor& kpe_cache, const at::Tensor& block_table, const at::Tensor& cache_seqlens,
-                 at::Tensor& out, at::Tensor& lse, double softmax_scale, bool causal, int64_t force_splits,
-                 const c10::optional<at::Tensor>& schedule, const LaunchOptions& opt) {
+// out (B, Sq, H, 512) and lse (B, H, Sq) float32 are the caller's, or allocated here when not given; returns them.
+std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe,
+                                               const at::Tensor& ckv_cache, const at::Tensor& kpe_cache,
+                                               const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+                                               const c10::optional<at::Tensor>& out_arg,
+                                               const c10::optional<at::Tensor>& lse_arg, double softmax_scale,
+                                               bool causal, int64_t force_splits,
+                                               const c10::optional<at::Tensor>& schedule, const LaunchOptions& opt) {
   // ---- validation (every argument named) ----
   MLA_CHECK(q_nope.is_cuda(), "decode: q_nope must be a CUDA tensor");
   const auto dev = q_nope.device();
@@ -159,14 +163,12 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
     MLA_CHECK(t.is_cuda() && t.device() == dev, "decode: ", name, " must be on ", dev.str(), " (same device as q_nope)");
   };
   same_dev(q_pe, "q_pe"); same_dev(ckv_cache, "ckv_cache"); same_dev(kpe_cache, "kpe_cache");
-  same_dev(block_table, "block_table"); same_dev(cache_seqlens, "cache_seqlens"); same_dev(out, "out"); same_dev(lse, "lse");
+  same_dev(block_table, "block_table"); same_dev(cache_seqlens, "cache_seqlens");
   const auto dt = q_nope.scalar_type();
   MLA_CHECK(dt == at::kBFloat16 || dt == at::kHalf, "decode: q_nope must be bfloat16 or float16, got ", dt);
   MLA_CHECK(q_pe.scalar_type() == dt, "decode: q_pe dtype ", q_pe.scalar_type(), " != q_nope dtype ", dt);
   MLA_CHECK(ckv_cache.scalar_type() == dt, "decode: ckv_cache dtype ", ckv_cache.scalar_type(), " != q_nope dtype ", dt);
   MLA_CHECK(kpe_cache.scalar_type() == dt, "decode: kpe_cache dtype ", kpe_cache.scalar_type(), " != q_nope dtype ", dt);
-  MLA_CHECK(out.scalar_type() == dt, "decode: out dtype ", out.scalar_type(), " != q_nope dtype ", dt);
-  MLA_CHECK(lse.scalar_type() == at::kFloat, "decode: lse must be float32");
   MLA_CHECK(block_table.scalar_type() == at::kInt, "decode: block_table must be int32");
   MLA_CHECK(cache_seqlens.scalar_type() == at::kInt, "decode: cache_seqlens must be int32");
 
@@ -175,15 +177,21 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   MLA_CHECK(q_pe.dim() == 4 && q_pe.size(0) == B && q_pe.size(1) == Sq && q_pe.size(2) == H && q_pe.size(3) == mds::kDimKpe,
               "decode: q_pe must be (B, Sq, H, 64) = (", B, ", ", Sq, ", ", H, ", 64), got ", shape_str(q_pe));
   MLA_CHECK(Sq >= 1 && H >= 1, "decode: q_nope needs Sq >= 1 and H >= 1, got ", shape_str(q_nope));
+  const at::Tensor out = out_arg.has_value() ? *out_arg : at::empty({B, Sq, H, mds::kDimCkv}, q_nope.options());
+  const at::Tensor lse = lse_arg.has_value() ? *lse_arg : at::empty({B, H, Sq}, q_nope.options().dtype(at::kFloat));
+  same_dev(out, "out"); same_dev(lse, "lse");
+  MLA_CHECK(out.scalar_type() == dt, "decode: out dtype ", out.scalar_type(), " != q_nope dtype ", dt);
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "decode: lse must be float32");
   MLA_CHECK(ckv_cache.dim() == 3 && ckv_cache.size(2) == mds::kDimCkv, "decode: ckv_cache must be (P, page_size, 512), got ", shape_str(ckv_cache));
   const int64_t P = ckv_cache.size(0), page_size = ckv_cache.size(1);
   MLA_CHECK(kpe_cache.dim() == 3 && kpe_cache.size(0) == P && kpe_cache.size(1) == page_size && kpe_cache.size(2) == mds::kDimKpe,
               "decode: kpe_cache must be (P, page_size, 64) = (", P, ", ", page_size, ", 64), got ", shape_str(kpe_cache));
   MLA_CHECK(page_size >= 1 && (page_size & (page_size - 1)) == 0 && page_size <= (1 << 20),
               "decode: ckv_cache page_size must be a power of two, got ", page_size);
-  MLA_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.stride(1) == 1,
+  // A dimension of size 1 may have any stride (torch calls such a tensor contiguous): only index 0 is read.
+  MLA_CHECK(block_table.dim() == 2 && block_table.size(0) == B && (block_table.stride(1) == 1 || block_table.size(1) <= 1),
               "decode: block_table must be (B, max_pages) int32 with unit last stride, got ", shape_str(block_table));
-  MLA_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && cache_seqlens.stride(0) == 1,
+  MLA_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && (cache_seqlens.stride(0) == 1 || B <= 1),
               "decode: cache_seqlens must be a contiguous int32 (B,) tensor, got ", shape_str(cache_seqlens));
   MLA_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == Sq && out.size(2) == H && out.size(3) == mds::kDimCkv,
               "decode: out must be (B, Sq, H, 512), got ", shape_str(out));
@@ -208,7 +216,7 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   if (schedule.has_value()) check_schedule_tensor(*schedule, dev);
   if (B == 0) {
     if (schedule.has_value()) check_schedule_size(*schedule, 0, B, Sq, H, force_splits);
-    return;
+    return {out, lse};
   }
 
   c10::cuda::CUDAGuard guard(dev);
@@ -230,13 +238,16 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   const int m_tile = ls.m_tile, num_mblocks = ls.num_mblocks;
   if (schedule.has_value()) check_schedule_size(*schedule, ls.sched_numel(), B, Sq, H, force_splits);
 
-  // Workspace (sized from shapes only): split partial O / LSE and the scheduling metadata.
-  auto f32 = q_nope.options().dtype(at::kFloat);
-  at::Tensor ws_o = at::empty({num_items, rows, mds::kDimCkv}, f32);
-  at::Tensor ws_lse = at::empty({num_items, rows}, f32);
-  // The schedule: the caller's (computed by decode_schedule for these shapes), else a fresh one that the
-  // metadata kernel fills below.
-  at::Tensor sched = schedule.has_value() ? *schedule : at::empty({ls.sched_numel()}, q_nope.options().dtype(at::kInt));
+  // Workspace (sized from shapes only), one allocation: without a caller's schedule first the int32 schedule
+  // that the metadata kernel (or the inline scheduler) fills below, padded to 256 bytes; then the float32
+  // split partials, O (num_items, rows, 512) and LSE (num_items, rows). Every part starts 256-byte aligned.
+  const int64_t ws_o_numel = num_items * rows * mds::kDimCkv, ws_lse_numel = num_items * rows;
+  const int64_t own_sched_numel = schedule.has_value() ? 0 : (ls.sched_numel() + 63) / 64 * 64;
+  static_assert(sizeof(float) == sizeof(int), "the schedule shares the float32 workspace");
+  at::Tensor workspace = at::empty({own_sched_numel + ws_o_numel + ws_lse_numel}, q_nope.options().dtype(at::kFloat));
+  float* const ws_base = workspace.data_ptr<float>() + own_sched_numel;
+  int* const sched_ptr = schedule.has_value() ? schedule->data_ptr<int>()
+                                              : reinterpret_cast<int*>(workspace.data_ptr<float>());
 
   mds::DecodeParams p{};
   p.q_nope = q_nope.data_ptr(); p.q_pe = q_pe.data_ptr();
@@ -252,8 +263,8 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   p.seqlens = cache_seqlens.data_ptr<int>();
   p.out = out.data_ptr(); p.o_stride_b = out.stride(0); p.o_stride_s = out.stride(1); p.o_stride_h = out.stride(2);
   p.lse = lse.data_ptr<float>(); p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
-  p.ws_o = ws_o.data_ptr<float>(); p.ws_lse = ws_lse.data_ptr<float>();
-  p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + num_items * 4;
+  p.ws_o = ws_base; p.ws_lse = ws_base + ws_o_numel;
+  p.sched_items = sched_ptr; p.sched_reqs = p.sched_items + num_items * 4;
   p.num_items = int(num_items); p.num_parts = ls.num_parts;
   p.min_tiles = ls.min_tiles;
   p.force_splits = int(force_splits);
@@ -289,12 +300,15 @@ void decode_impl(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   mds::launch_combine(p, bf16, prop.sm_count, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
 }
 
-void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache, const at::Tensor& kpe_cache,
-            const at::Tensor& block_table, const at::Tensor& cache_seqlens, at::Tensor out, at::Tensor lse,
-            double softmax_scale, bool causal, const c10::optional<at::Tensor>& schedule) {
-  decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0, schedule,
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& ckv_cache,
+                                          const at::Tensor& kpe_cache, const at::Tensor& block_table,
+                                          const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& out,
+                                          const c10::optional<at::Tensor>& lse, double softmax_scale, bool causal,
+                                          const c10::optional<at::Tensor>& schedule) {
+  return decode_impl(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, 0, schedule,
               kAutoLaunch);
 }
 
@@ -442,7 +456,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
   m.def("decode", &decode,
         "decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, "
-        "schedule=None); schedule: from decode_schedule(cache_seqlens, seqlen_q, num_heads) (skips the metadata kernel)",
+        "schedule=None) -> (out, lse); out and lse may be None (then allocated here); schedule: from "
+        "decode_schedule(cache_seqlens, seqlen_q, num_heads) (skips the metadata kernel)",
         py::arg("q_nope"), py::arg("q_pe"), py::arg("ckv_cache"), py::arg("kpe_cache"), py::arg("block_table"),
         py::arg("cache_seqlens"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("schedule") = py::none());

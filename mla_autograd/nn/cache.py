@@ -21,6 +21,13 @@ import torch
 __all__ = ["MLACache"]
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`. A host tensor goes to a GPU without a synchronisation: a blocking copy would wait for
+    all queued GPU work (torch synchronises the stream after it); a non-blocking copy from pageable host
+    memory is staged by CUDA before it returns, so the host tensor may be freed at once."""
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
 class MLACache:
     """Paged cache of MLA latents for one layer.
 
@@ -81,7 +88,7 @@ class MLACache:
             self._pages[b] = []
             self._lengths[b] = 0
             self._table_host[b].zero_()
-        idx = torch.as_tensor(list(batch_indices), dtype=torch.long, device=self.block_table.device)
+        idx = _to_device(torch.as_tensor(list(batch_indices), dtype=torch.long, device="cpu"), self.block_table.device)
         self.block_table[idx] = 0
         self.seqlens[idx.to(self.seqlens.device)] = 0
 
@@ -140,15 +147,17 @@ class MLACache:
         if changed:
             rows = sorted(set(changed))
             idx = torch.as_tensor(rows, dtype=torch.long, device="cpu")  # indexes the host mirror
-            self.block_table[idx.to(self.block_table.device)] = self._table_host[idx].to(self.block_table.device)
+            dev = self.block_table.device
+            self.block_table[_to_device(idx, dev)] = _to_device(self._table_host[idx], dev)
 
     def append(self, ckv: torch.Tensor, kpe: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                new_lengths: Sequence[int] | None = None) -> torch.Tensor:
         """Write new tokens' latents at the end of each sequence; returns their positions.
 
         Dense: ckv (B, S, kv_lora_rank), kpe (B, S, qk_rope_head_dim), S new tokens for every
-        sequence. Packed: ckv (T, kv_lora_rank), kpe (T, rope) with cu_seqlens (B+1,) (and the
-        per-sequence counts as new_lengths on the host, else cu_seqlens is read once, a sync).
+        sequence. Packed: ckv (T, kv_lora_rank), kpe (T, rope) with cu_seqlens (B+1,). Pages are handed
+        out on the host, so the per-sequence counts are needed there: as new_lengths, or from a CPU
+        cu_seqlens (both free); a cu_seqlens on the GPU is copied to the host once (a sync).
         kpe must already be rotated. Returns the int64 positions of the new tokens ((B, S) or (T,)),
         i.e. their rotary position ids.
         """
@@ -178,8 +187,8 @@ class MLACache:
                                  f"expected batch + 1 = {self.batch + 1}")
             counts = list(new_lengths) if new_lengths is not None else torch.diff(cu_seqlens.cpu()).tolist()
             T = ckv.shape[0]
-            cnt = torch.as_tensor(counts, dtype=torch.long, device=dev)
-            cu = cu_seqlens.to(dev, torch.long)
+            cnt = _to_device(torch.as_tensor(counts, dtype=torch.long, device="cpu"), dev)
+            cu = _to_device(cu_seqlens, dev).long()
             rows = torch.repeat_interleave(torch.arange(self.batch, device=dev), cnt, output_size=T)
             start = self.seqlens.to(dev, torch.long)
             pos = torch.arange(T, device=dev) - cu[rows] + start[rows]
@@ -195,7 +204,7 @@ class MLACache:
         if len(set(counts)) == 1:
             self.seqlens.add_(counts[0])
         else:
-            self.seqlens.add_(torch.as_tensor(counts, dtype=torch.int32, device=self.seqlens.device))
+            self.seqlens.add_(_to_device(torch.as_tensor(counts, dtype=torch.int32, device="cpu"), self.seqlens.device))
         return pos
 
     def positions(self, num_new: int) -> torch.Tensor:
@@ -214,10 +223,10 @@ class MLACache:
                 pos = torch.arange(L, device="cpu")  # indexes the host mirror of the table
                 idx.append(self._table_host[b].long()[pos // self.page_size] * self.page_size + pos % self.page_size)
         flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device="cpu")
-        flat = flat.to(self.buffer.device)
+        flat = _to_device(flat, self.buffer.device)
         rows = self.buffer.view(-1, self.buffer.shape[-1])[flat]
         cu = torch.tensor([0] + list(itertools.accumulate(self._lengths)), dtype=torch.int32, device="cpu")
-        return (rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:], cu.to(self.buffer.device),
+        return (rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:], _to_device(cu, self.buffer.device),
                 max(self._lengths) if self._lengths else 0)
 
     def gather(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

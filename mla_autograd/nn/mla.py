@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .cache import MLACache
+from .cache import MLACache, _to_device
 from .rope import RotaryEmbedding, mla_softmax_scale
 
 __all__ = ["MultiHeadLatentAttention", "RMSNorm"]
@@ -261,8 +261,11 @@ class MultiHeadLatentAttention(nn.Module):
         Dense: hidden_states (B, S, hidden), position_ids (B, S) or (S,) (default 0..S-1, or
         continuing the cache). Packed varlen: hidden_states (T, hidden) with cu_seqlens int32 (B+1,)
         and max_seqlen; positions restart at 0 for every sequence (or continue its cached length).
-        cache: an :class:`MLACache`; the new tokens are appended and attend to everything cached
-        (inference only). Returns (B, S, hidden) or (T, hidden).
+        cu_seqlens may be on hidden_states' device or on the host (CPU): it is copied to the device
+        without a sync. cache: an :class:`MLACache`; the new tokens are appended and attend to
+        everything cached (inference only). The cache hands out pages on the host, so a packed cached
+        call needs the per-sequence counts there: free from a CPU cu_seqlens, one copy (a sync) from
+        one on the GPU. Returns (B, S, hidden) or (T, hidden).
         """
         packed = cu_seqlens is not None
         if packed:
@@ -281,14 +284,14 @@ class MultiHeadLatentAttention(nn.Module):
             return self._forward_cached(hidden_states, position_ids, cu_seqlens, max_seqlen, cache)
 
         h = hidden_states
+        cu = _to_device(cu_seqlens, h.device).to(torch.int32) if packed else None
         if position_ids is None:
             if packed:
-                position_ids = self._varlen_positions(cu_seqlens, h.shape[0])
+                position_ids = self._varlen_positions(cu, h.shape[0])
             else:
                 position_ids = torch.arange(h.shape[1], device=h.device)
         q_nope, q_pe, c, k_pe = self._project(h, position_ids)
         if packed:
-            cu = cu_seqlens.to(device=h.device, dtype=torch.int32)
             o = self._attend(q_nope, q_pe, c, k_pe, cu, cu, max_seqlen, max_seqlen, deterministic=deterministic)
         else:
             o = self._attend(q_nope, q_pe, c, k_pe, deterministic=deterministic)
@@ -329,13 +332,15 @@ class MultiHeadLatentAttention(nn.Module):
         empty = cache.is_empty()
         counts = None
         if packed:
-            cu = cu_seqlens.to(device=h.device, dtype=torch.int32)
+            cu = _to_device(cu_seqlens, h.device).to(torch.int32)
+            # the cache hands out pages on the host: the new tokens per sequence are needed there (free for a
+            # CPU cu_seqlens; one copy, a sync, for one on the GPU)
             counts = torch.diff(cu_seqlens.cpu().long()).tolist()
             if position_ids is None:
                 start = cache.seqlens.to(h.device, torch.long)
                 pos = self._varlen_positions(cu, h.shape[0])
-                seq = torch.repeat_interleave(torch.arange(len(counts), device=h.device),
-                                              torch.as_tensor(counts, device=h.device), output_size=h.shape[0])
+                seq = torch.repeat_interleave(torch.arange(len(counts), device=h.device), (cu[1:] - cu[:-1]).long(),
+                                              output_size=h.shape[0])
                 position_ids = pos + start[seq]
         else:
             if h.shape[0] != cache.batch:

@@ -133,3 +133,64 @@ def test_decode_bad_values_on_the_kernel(seqlen_q, num_heads, planned, monkeypat
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
     assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
     assert not torch.isnan(out).any()
+
+
+def _decode_inputs(B=3, Sq=1, H=16, page=64, max_pages=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = B * max_pages + 2
+    cache = torch.randn(P, page, 576, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    lens = torch.randint(Sq, max_pages * page + 1, (B,), generator=g).to(device="cuda", dtype=torch.int32)
+    table = torch.randperm(P, generator=g)[: B * max_pages].view(B, max_pages).to(device="cuda", dtype=torch.int32)
+    return dict(q_nope=torch.randn(B, Sq, H, 512, generator=g).to(device="cuda", dtype=torch.bfloat16),
+                q_pe=torch.randn(B, Sq, H, 64, generator=g).to(device="cuda", dtype=torch.bfloat16),
+                ckv_cache=cache[..., :512], kpe_cache=cache[..., 512:], block_table=table, cache_seqlens=lens)
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_decode_fast_path_is_the_checked_path(planned, monkeypatch):
+    """decode's eager fast path (a route taken before: straight to the kernel, which checks its arguments and
+    allocates out/lse) gives bit-identical results to the checked path (value checks on) on the same inputs."""
+    from mla_autograd import _ops
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    a = _decode_inputs(Sq=2 if planned else 1)
+    with torch.inference_mode():
+        kw = {"schedule": M.decode_schedule(a["cache_seqlens"], seqlen_q=a["q_nope"].shape[1],
+                                            num_heads=16)} if planned else {}
+        want, want_lse = M.decode(**a, softmax_scale=0.1, return_lse=True, check_values=True, **kw)
+        assert _ops.decode_fast(*a.values(), 0.1, True, kw.get("schedule")) is not None, "route not memoised"
+        got, got_lse = M.decode(**a, softmax_scale=0.1, return_lse=True, **kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    assert got.shape == a["q_nope"].shape and got_lse.shape == (3, 16, a["q_nope"].shape[1])
+
+
+def test_decode_fast_path_keeps_the_named_errors(monkeypatch):
+    """With the route memoised, every argument the kernel refuses still gets the checked path's error naming
+    it, and inputs the kernel cannot take as they are (a strided block_table, an odd q stride) are copied."""
+    monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
+    a = _decode_inputs()
+    with torch.inference_mode():
+        want = M.decode(**a, softmax_scale=0.1)
+        with pytest.raises(ValueError, match="block_table has 2 rows"):
+            M.decode(**dict(a, block_table=a["block_table"][:2]), softmax_scale=0.1)
+        with pytest.raises(ValueError, match="kpe_cache last dim"):
+            M.decode(**dict(a, kpe_cache=a["ckv_cache"][..., :32]), softmax_scale=0.1)
+        with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+            M.decode(**dict(a, cache_seqlens=a["cache_seqlens"].long()), softmax_scale=0.1)
+        with pytest.raises(ValueError, match="softmax_scale"):
+            M.decode(**a, softmax_scale=float("nan"))
+        wide = torch.zeros(3, 10, dtype=torch.int32, device="cuda")
+        wide[:, ::2] = a["block_table"]
+        got = M.decode(**dict(a, block_table=wide[:, ::2]), softmax_scale=0.1)
+        assert torch.equal(got, want)
+        # head stride 516: not a multiple of 8 elements, which the kernel refuses (the checked path copies q_nope)
+        qn = torch.empty(3, 1, 16, 520, dtype=torch.bfloat16, device="cuda")
+        qn = qn.as_strided((3, 1, 16, 512), (qn.stride(0), qn.stride(1), 516, 1))
+        qn.copy_(a["q_nope"])
+        assert torch.equal(M.decode(**dict(a, q_nope=qn), softmax_scale=0.1), want)
+    q = a["q_nope"].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference only"):
+        M.decode(**dict(a, q_nope=q), softmax_scale=0.1)
+    with torch.inference_mode():
+        s = M.decode_schedule(a["cache_seqlens"], seqlen_q=1, num_heads=16)
+        with pytest.raises(ValueError, match="different cache_seqlens"):
+            M.decode(**dict(a, cache_seqlens=a["cache_seqlens"].clone()), softmax_scale=0.1, schedule=s)
