@@ -31,7 +31,8 @@ def _tensors():
     return t, lse
 
 
-@pytest.mark.parametrize("options,match", BAD)
+@pytest.mark.parametrize("options,match", BAD + [({"ctas": True}, r"options\['ctas'\] must be an int"),
+                                                 ({"ctas": -2}, r"options\['ctas'\] must be in \[0, 2\^31\), got -2")])
 def test_fwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_fwd_sm90: " + match):

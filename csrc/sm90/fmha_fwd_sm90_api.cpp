@@ -32,6 +32,7 @@ void check_strides(const at::Tensor& t, const char* name) {
 
 // fwd_with_options' `options` -> FmhaFwdSm90Options; {} gives fwd's defaults. Keys:
 //   "l2_group": int >= 0, (head, batch) pairs per L2 launch group (0: every pair interleaved).
+//   "ctas": int >= 0, CTAs of the persistent grid (0: the launcher's choice; see FmhaFwdSm90Options).
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
   constexpr const char* fn = "fmha_fwd_sm90";
@@ -39,8 +40,10 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
     const std::string key = mla::option_key(item.first, fn);
     if (key == "l2_group") {
       o.l2_head_group = mla::option_count(item.second, fn, key);
+    } else if (key == "ctas") {
+      o.ctas = mla::option_count(item.second, fn, key);
     } else {
-      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group)");
+      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas)");
     }
   }
   return o;
@@ -198,7 +201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"));
   m.def("fwd_with_options", &fwd_with_options,
         "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
-        "pairs per L2 launch group (0: all interleaved); {} is fwd",
+        "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic); "
+        "{} is fwd",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),

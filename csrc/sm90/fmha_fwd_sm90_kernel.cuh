@@ -9,7 +9,12 @@
 //             the softmax of block j runs while PV(j-1) is in flight.
 //   Epilogue: O and LSE written from registers with row predicates (no TMA store: varlen tiles may
 //             cross a sequence end; the caller provides no padding).
-// One CTA per (head, batch) x M-block; M-blocks are issued longest-first (reverse order) for causal.
+// Tiles: (head, batch) x M-block, in an L2-grouped order with the longest M-blocks first under a causal mask.
+// Persistent: each CTA runs tiles blockIdx.x, blockIdx.x + gridDim.x, ...; its K/V ring and Q barrier carry
+// over from tile to tile, so the producer loads the next tile's Q and first K/V blocks while the consumers
+// finish this tile's last blocks and its epilogue (a tile's fixed cost: fill, drain, epilogue, CTA start).
+// The launcher picks the grid: one CTA per SM for dense inputs, one CTA per tile for varlen ones, whose
+// tiles differ too much in cost for a static assignment.
 #pragma once
 
 // wgmma N = 176 (the 128/128 unmasked key block) is one of CuTe's "extended" shapes; without this the
@@ -100,6 +105,7 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
     alignas(16) uint64_t bar_q;
+    uint64_t empty_q;  // the consumers' last QK of a tile has read Q: the next tile's Q may be loaded
     uint64_t full_k[kStages];
     uint64_t empty_k[kStages];
     uint64_t full_v[kStages];
@@ -161,6 +167,32 @@ struct OnlineSoftmax {
 // (a single group of all pairs) the H=128, S=4096 causal 192/128 forward ran at 87% of DRAM bandwidth
 // (ncu, H200): resident CTAs of ~130 different heads, each streaming its own K/V.
 
+// One tile of the forward: its (head, batch, M-block), the sequence's rows and the key blocks it visits.
+struct FwdTile {
+  int h, b, m_block;
+  SeqInfo si;
+  MaskInfo mi;
+  int n_min, n_max;
+
+  // Tile t of the launch order (uniform over the CTA).
+  template <int kBM, int kBN>
+  CUTE_DEVICE static FwdTile at(FmhaFwdSm90Params const& p, int t, int num_hb, int num_m) {
+    GroupedTile const tc = grouped_tile(t, num_hb, num_m, p.l2_head_group);
+    int const h = tc.pair % p.hq, b = tc.pair / p.hq;
+    SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
+    FwdTile tile{h, b, num_m - 1 - tc.rank, si, mi, 0, 0};
+    mi.template n_block_range<kBM, kBN>(tile.m_block, tile.n_min, tile.n_max);
+    return tile;
+  }
+  // Rows of this sequence in the tile (varlen: an M-block past a shorter sequence's end has none).
+  template <int kBM>
+  CUTE_DEVICE bool has_rows() const { return m_block * kBM < si.seqlen_q; }
+  // Q, K and V are loaded (rows that see at least one key block); else the tile only writes O = 0, LSE = -inf.
+  template <int kBM>
+  CUTE_DEVICE bool loads() const { return has_rows<kBM>() && n_max > n_min; }
+};
+
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, 1)
 fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
@@ -182,22 +214,10 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
   int const wg_idx = cutlass::canonical_warp_group_idx();
   int const lane = threadIdx.x % 32;
 
-  // ---- tile coordinates (uniform over the CTA) ----
   int const num_hb = p.hq * p.batch;
-  int const num_m = int(gridDim.x) / num_hb;
-  GroupedTile const tc = grouped_tile(int(blockIdx.x), num_hb, num_m, p.l2_head_group);
-  int const h = tc.pair % p.hq;
-  int const b = tc.pair / p.hq;
-  int const m_block = num_m - 1 - tc.rank;
+  int const num_m = p.num_m_blocks;
+  int const num_tiles = num_hb * num_m;  // < 2^31 (checked by the launcher)
   bool const varlen = p.cu_seqlens_q != nullptr;
-  SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k, p.cu_seqlens_q, p.cu_seqlens_k);
-  if (m_block * kBM >= si.seqlen_q) return;  // beyond this sequence (varlen): whole CTA leaves
-  MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
-  int n_min, n_max;
-  mi.template n_block_range<kBM, kBN>(m_block, n_min, n_max);
-  int const h_kv = h / (p.hq / p.hkv);
-  int const b_tma_q = p.cu_seqlens_q != nullptr ? 0 : b;
-  int const b_tma_k = p.cu_seqlens_k != nullptr ? 0 : b;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
@@ -208,6 +228,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
     TxBarrier::init(&ss.bar_q, 1);
+    ClusterBarrier::init(&ss.empty_q, KT::kMmaWarps);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBarrier::init(&ss.full_k[s], 1);
@@ -222,35 +243,46 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
   if (wg_idx == 0) {
     // ================================ producer ================================
     cutlass::arch::warpgroup_reg_dealloc<KT::Cfg::kProducerRegs>();
-    if (warp_idx == 0 && n_max > n_min && cute::elect_one_sync()) {
-      Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q)(_, _, h, b_tma_q);
-      Tensor gQ = local_tile(domain_offset(make_coord(int(si.offset_q), _0{}), mQ), Shape<BM, DQK>{},
-                             make_coord(m_block, _0{}));
-      Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k)(_, _, h_kv, b_tma_k);
-      Tensor gK = local_tile(domain_offset(make_coord(int(si.offset_k), _0{}), mK), Shape<BN, DQK>{},
-                             make_coord(_, _0{}));  // (BN, D, nblk)
-      Tensor mVt = kp.tma_v.get_tma_tensor(kp.shape_vt)(_, _, h_kv, b_tma_k);
-      Tensor gVt = local_tile(domain_offset(make_coord(_0{}, int(si.offset_k)), mVt), Shape<DV, BN>{},
-                              make_coord(_0{}, _));  // (Dv, BN, nblk)
-
-      auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
-
-      TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
-      copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
-
-      // K(n), V(n) per block, one stage counter for both rings (block n uses the same stage in both).
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      // K(n), V(n) per block, one stage counter for both rings (block n uses the same stage in both); the
+      // rings and the Q barrier's phase run on from one tile to the next.
       int stage = 0;
-      uint32_t phase = 1;  // the producer waits on "empty" starting from the completed phase
-      for (int n = n_max - 1; n >= n_min; --n) {
-        ClusterBarrier::wait(&ss.empty_k[stage], phase);
-        TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
-        copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
-        ClusterBarrier::wait(&ss.empty_v[stage], phase);
-        TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
-        copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      uint32_t phase = 1;    // the producer waits on "empty" starting from the completed phase
+      uint32_t q_phase = 1;  // likewise for "Q empty"
+      for (int t = int(blockIdx.x); t < num_tiles; t += int(gridDim.x)) {
+        FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
+        if (!tile.template loads<kBM>()) continue;
+        int const h_kv = tile.h / (p.hq / p.hkv);
+        int const b_tma_q = p.cu_seqlens_q != nullptr ? 0 : tile.b;
+        int const b_tma_k = p.cu_seqlens_k != nullptr ? 0 : tile.b;
+        Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q)(_, _, tile.h, b_tma_q);
+        Tensor gQ = local_tile(domain_offset(make_coord(int(tile.si.offset_q), _0{}), mQ), Shape<BM, DQK>{},
+                               make_coord(tile.m_block, _0{}));
+        Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k)(_, _, h_kv, b_tma_k);
+        Tensor gK = local_tile(domain_offset(make_coord(int(tile.si.offset_k), _0{}), mK), Shape<BN, DQK>{},
+                               make_coord(_, _0{}));  // (BN, D, nblk)
+        Tensor mVt = kp.tma_v.get_tma_tensor(kp.shape_vt)(_, _, h_kv, b_tma_k);
+        Tensor gVt = local_tile(domain_offset(make_coord(_0{}, int(tile.si.offset_k)), mVt), Shape<DV, BN>{},
+                                make_coord(_0{}, _));  // (Dv, BN, nblk)
+
+        auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+
+        ClusterBarrier::wait(&ss.empty_q, q_phase);
+        q_phase ^= 1;
+        TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
+        copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
+
+        for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
+          ClusterBarrier::wait(&ss.empty_k[stage], phase);
+          TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
+          copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
+          ClusterBarrier::wait(&ss.empty_v[stage], phase);
+          TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
+          copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
       }
     }
   } else {
@@ -276,107 +308,119 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
     constexpr int R = decltype(size<0>(S_rc))::value;
 
-    OnlineSoftmax<R> sm;
-    sm.init();
-    clear(tOrO);
     float const c = p.softmax_scale * float(M_LOG2E);
-    int const row0 = m_block * kBM;
-
     auto release = [&](uint64_t* bar) {
       if (lane == 0) ClusterBarrier::arrive(bar);
     };
+    // The K/V rings and the Q barrier's phase run on from one tile to the next (as the producer's do).
+    int stage = 0;
+    uint32_t phase = 0;
+    uint32_t q_phase = 0;
 
-    if (n_max > n_min) {
-      TxBarrier::wait(&ss.bar_q, 0);
-      int stage = 0;
-      uint32_t phase = 0;
-      float alpha[R];
-      // O *= alpha (row-wise), after PV(n+1) completes.
-      auto rescale_o = [&]() {
-        CUTE_UNROLL
-        for (int r = 0; r < R; ++r) {
+    for (int t = int(blockIdx.x); t < num_tiles; t += int(gridDim.x)) {
+      FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
+      if (!tile.template has_rows<kBM>()) continue;  // beyond this sequence (varlen): nothing to write
+      MaskInfo const& mi = tile.mi;
+      int const m_block = tile.m_block, n_min = tile.n_min, n_max = tile.n_max;
+      int const row0 = m_block * kBM;
+
+      OnlineSoftmax<R> sm;
+      sm.init();
+      clear(tOrO);
+
+      if (n_max > n_min) {
+        TxBarrier::wait(&ss.bar_q, q_phase);
+        q_phase ^= 1;
+        float alpha[R];
+        // O *= alpha (row-wise), after PV(n+1) completes.
+        auto rescale_o = [&]() {
           CUTE_UNROLL
-          for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
-        }
-      };
+          for (int r = 0; r < R; ++r) {
+            CUTE_UNROLL
+            for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
+          }
+        };
 
-      // ---- first (last-index) key block: peeled, no PV yet ----
-      int n = n_max - 1;
-      TxBarrier::wait(&ss.full_k[stage], phase);
-      wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
-      warpgroup_wait<0>();
-      release(&ss.empty_k[stage]);
-      if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
-      sm.step(S_rc, c, alpha);
-      convert_frag(tSrS, tOrP);
-      int v_stage = stage;
-      uint32_t v_phase = phase;
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
-      bool first_pv = true;
-
-      // ---- steady state: QK(n) and PV(n+1) in flight together ----
-      for (n = n_max - 2; n >= n_min; --n) {
+        // ---- first (last-index) key block: peeled, no PV yet ----
+        int n = n_max - 1;
         TxBarrier::wait(&ss.full_k[stage], phase);
         wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
-        TxBarrier::wait(&ss.full_v[v_stage], v_phase);
-        wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
-        warpgroup_wait<1>();
+        warpgroup_wait<0>();
         release(&ss.empty_k[stage]);
+        if (n == n_min) release(&ss.empty_q);  // the tile's last QK has read Q
         if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
         sm.step(S_rc, c, alpha);
+        convert_frag(tSrS, tOrP);
+        int v_stage = stage;
+        uint32_t v_phase = phase;
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        bool first_pv = true;
+
+        // ---- steady state: QK(n) and PV(n+1) in flight together ----
+        for (n = n_max - 2; n >= n_min; --n) {
+          TxBarrier::wait(&ss.full_k[stage], phase);
+          wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
+          TxBarrier::wait(&ss.full_v[v_stage], v_phase);
+          wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
+          warpgroup_wait<1>();
+          release(&ss.empty_k[stage]);
+          if (n == n_min) release(&ss.empty_q);
+          if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
+          sm.step(S_rc, c, alpha);
+          warpgroup_wait<0>();
+          release(&ss.empty_v[v_stage]);
+          rescale_o();
+          convert_frag(tSrS, tOrP);
+          v_stage = stage;
+          v_phase = phase;
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+          first_pv = false;
+        }
+
+        // ---- last PV ----
+        TxBarrier::wait(&ss.full_v[v_stage], v_phase);
+        wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
         warpgroup_wait<0>();
         release(&ss.empty_v[v_stage]);
-        rescale_o();
-        convert_frag(tSrS, tOrP);
-        v_stage = stage;
-        v_phase = phase;
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
-        first_pv = false;
       }
 
-      // ---- last PV ----
-      TxBarrier::wait(&ss.full_v[v_stage], v_phase);
-      wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
-      warpgroup_wait<0>();
-      release(&ss.empty_v[v_stage]);
-    }
-
-    // ---- finalize: normalise, LSE ----
-    float lse_r[R];
-    CUTE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      float sum = quad_sum(sm.row_sum[r]);
-      bool dead = !(sum > 0.f);  // no visible key (0) or NaN
-      float inv = dead ? 0.f : 1.f / sum;
-      lse_r[r] = dead ? -INFINITY : sm.row_max[r] * p.softmax_scale + logf(sum);
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= inv;
-    }
-
-    // ---- epilogue: predicated stores from registers ----
-    int const rows_left = si.seqlen_q - row0;
-    int const b_dense = varlen ? 0 : b;
-    Element* o_tile = static_cast<Element*>(p.o) + (si.offset_q + int64_t(row0)) * p.o_row_stride +
-                      int64_t(h) * p.o_head_stride + int64_t(b_dense) * p.o_batch_stride;
-    Tensor rO = make_tensor<Element>(tOrO.layout());
-    convert_frag(tOrO, rO);
-    Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
-    CUTE_UNROLL
-    for (int i = 0; i < size(rO); i += 2) {
-      int r = get<0>(cO(i));
-      int col = get<1>(cO(i));
-      if (r < rows_left) {
-        *reinterpret_cast<uint32_t*>(o_tile + int64_t(r) * p.o_row_stride + col) =
-            *reinterpret_cast<uint32_t const*>(&rO(i));
-      }
-    }
-    if (lane % 4 == 0) {
-      float* lse_tile = p.lse + int64_t(h) * p.lse_head_stride + int64_t(b_dense) * p.lse_batch_stride +
-                        si.offset_q + row0;
+      // ---- finalize: normalise, LSE ----
+      float lse_r[R];
       CUTE_UNROLL
       for (int r = 0; r < R; ++r) {
-        int row = get<0>(cS_rc(r, 0));
-        if (row < rows_left) lse_tile[row] = lse_r[r];
+        float sum = quad_sum(sm.row_sum[r]);
+        bool dead = !(sum > 0.f);  // no visible key (0) or NaN
+        float inv = dead ? 0.f : 1.f / sum;
+        lse_r[r] = dead ? -INFINITY : sm.row_max[r] * p.softmax_scale + logf(sum);
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= inv;
+      }
+
+      // ---- epilogue: predicated stores from registers ----
+      int const rows_left = tile.si.seqlen_q - row0;
+      int const b_dense = varlen ? 0 : tile.b;
+      Element* o_tile = static_cast<Element*>(p.o) + (tile.si.offset_q + int64_t(row0)) * p.o_row_stride +
+                        int64_t(tile.h) * p.o_head_stride + int64_t(b_dense) * p.o_batch_stride;
+      Tensor rO = make_tensor<Element>(tOrO.layout());
+      convert_frag(tOrO, rO);
+      Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
+      CUTE_UNROLL
+      for (int i = 0; i < size(rO); i += 2) {
+        int r = get<0>(cO(i));
+        int col = get<1>(cO(i));
+        if (r < rows_left) {
+          *reinterpret_cast<uint32_t*>(o_tile + int64_t(r) * p.o_row_stride + col) =
+              *reinterpret_cast<uint32_t const*>(&rO(i));
+        }
+      }
+      if (lane % 4 == 0) {
+        float* lse_tile = p.lse + int64_t(tile.h) * p.lse_head_stride + int64_t(b_dense) * p.lse_batch_stride +
+                          tile.si.offset_q + row0;
+        CUTE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          int row = get<0>(cS_rc(r, 0));
+          if (row < rows_left) lse_tile[row] = lse_r[r];
+        }
       }
     }
   }
@@ -435,8 +479,15 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   if (num_m == 0 || p.batch == 0 || p.hq == 0) return cudaSuccess;
   int const num_hb = p.hq * p.batch;
   if (int64_t(num_hb) * num_m >= (int64_t(1) << 31)) return cudaErrorInvalidConfiguration;
+  int const num_tiles = num_hb * num_m;
   kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group);
-  dim3 grid(unsigned(num_hb) * unsigned(num_m), 1, 1);
+  kp.p.num_m_blocks = num_m;
+  // Persistent over dense tiles: one CTA per SM (one fits: the shared storage takes most of an SM). Varlen
+  // tiles range from empty to the longest sequence's: one CTA per tile, which the hardware hands to SMs as
+  // they free up. opt.ctas forces a grid of that many CTAs (at most one per tile) for either.
+  int ctas = p.cu_seqlens_q != nullptr ? num_tiles : mla::current_device_info().sm_count;
+  if (opt.ctas > 0) ctas = opt.ctas;
+  dim3 grid(unsigned(ctas < num_tiles ? ctas : num_tiles), 1, 1);
   dim3 block(KT::kThreads, 1, 1);
   auto kernel = fmha_fwd_sm90_kernel<KT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemBytes);

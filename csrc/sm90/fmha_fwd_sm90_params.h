@@ -32,6 +32,7 @@ struct FmhaFwdSm90Params {
   // Launch order (set by the launcher): heads are taken in groups of this many (head, batch) pairs whose
   // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
   int l2_head_group;
+  int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); tiles = batch * hq * this
 
   float softmax_scale;
   bool causal;
@@ -45,6 +46,9 @@ struct FmhaFwdSm90Options {
   // (head, batch) pairs per L2 launch group: negative = the launcher's choice (l2_head_group in
   // fmha_fwd_sm90_kernel.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
   int l2_head_group = -1;
+  // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense inputs, one per tile for
+  // varlen ones), N > 0 = N (at most one per tile; tests run many tiles per CTA on small problems with it).
+  int ctas = 0;
 };
 
 // Launchers, one per head-dim pair (each in its own translation unit).

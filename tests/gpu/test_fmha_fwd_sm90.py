@@ -249,6 +249,34 @@ def test_l2_group_launch_order(ext, group):
                msq=max(lq), msk=max(lk), options=options, name=f"l2 {group} varlen {d} {causal} {br}")
 
 
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+def test_persistent_grid_is_bit_identical(ext, ctas):
+    """The persistent grid: each CTA runs tiles blockIdx.x, + gridDim.x, ... with its K/V ring and Q barrier carried
+    from tile to tile. Forced to 1, 3 and 7 CTAs (many tiles each, with empty ones: rows that see no key under a
+    bottom-right mask, varlen M-blocks past a sequence's end, an empty sequence) it gives bit-identical outputs to
+    the default launch and passes the reference check, every dims pair and mask, dense (GQA) and varlen."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+        scale = 1 / math.sqrt(d)
+        q = _rand((2, 333, 4, d), torch.bfloat16, g)
+        k = _rand((2, 200, 2, d), torch.bfloat16, g)
+        v = _rand((2, 200, 2, dv), torch.bfloat16, g)
+        want = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br, options={"ctas": 0})
+        got = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br, options={"ctas": ctas},
+                     name=f"ctas {ctas} dense {d} {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} dense {d} {causal} {br}"
+        lq, lk = [129, 0, 300, 17, 1], [200, 5, 300, 640, 1]
+        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        q = _rand((sum(lq), 2, d), torch.bfloat16, g)
+        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
+        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
+        kw = dict(scale=scale, causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk))
+        want = _check(ext, q, k, v, **kw, options={"ctas": 0})
+        got = _check(ext, q, k, v, **kw, options={"ctas": ctas}, name=f"ctas {ctas} varlen {d} {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} varlen {d} {causal} {br}"
+
+
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
 @pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
 def test_options_empty(ext, dims, mask):
