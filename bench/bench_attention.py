@@ -7,9 +7,9 @@ Each round times all forwards, then all backwards; rounds alternate the order of
 table gives the median over rounds. nvidia-smi samples the SM clock and board power meanwhile, and each
 measurement records the mean of both during its window (*_sm_mhz_rounds, *_power_w_rounds): on the H200 a run
 this long sits at the power cap. The backward is timed alone (autograd.grad over one saved
-forward graph, retain_graph=True, as FlashAttention's benchmarks do; until 2026-11-30 it was
-(fwd+bwd) - fwd, which also counted host time between the two: our rows moved by up to 6% between
-two runs of the same commit while cuDNN's stayed within 1%); fwd+bwd is recorded too (fwd_bwd_ms). Every implementation's output
+forward graph, retain_graph=True, as FlashAttention's benchmarks do; (fwd+bwd) - fwd would also count
+host time between the two, which moved our rows by up to 6% between two runs of the same commit while
+cuDNN's stayed within 1%); fwd+bwd is recorded too (fwd_bwd_ms). Every implementation's output
 is checked against cuDNN's before it is timed, and the backend that served our op is recorded
 (a reference-path number is labelled as such, never as a kernel).
 
@@ -631,7 +631,7 @@ def main(argv=None):
     # Two passes per round: every forward first, then every backward. Timed right after a backward's
     # 250 ms of back-to-back calls, our 128/128 forwards read 0.91-0.97x cuDNN in three runs on the H200;
     # alone (--no-bwd, same commit, warm GPU) 1.00-1.02x. The same kernels' backward also read up to 9%
-    # slower here than in tools/profile_ops.py (2026-11-30), so the rounds alternate the order of the
+    # slower here than in tools/profile_ops.py, so the rounds alternate the order of the
     # implementations, and a row's time is the median over rounds (each round's in *_ms_rounds).
     def use_for(d, rnd):
         sel = [(k, f) for k, f in impls.items()

@@ -199,7 +199,7 @@ def run_bwd(dims: int, causal: bool, kernel_only: bool = False, sustain: float =
 def run_harness(dims: int, causal: bool, reps: int = 3) -> None:
     """bench_attention's backward row beside this file's timing of the same call, interleaved in one
     process: bench_attention read our 192/128 causal backward 4-6% slower than profile_ops at the same
-    SM clock while cuDNN read the same in both (2026-11-30). Each rep times, with do_bench: (a) this
+    SM clock while cuDNN read the same in both. Each rep times, with do_bench: (a) this
     file's setup (one set of inputs, ours then cuDNN), (b) the same after torch.cuda.empty_cache(),
     (c) bench_attention.bench_one (fresh inputs, a no-grad forward first, empty_cache between impls),
     alternating the order of the implementations."""

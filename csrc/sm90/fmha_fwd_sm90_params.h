@@ -46,8 +46,8 @@ struct FmhaFwdSm90Options {
   // (head, batch) pairs per L2 launch group: negative = the launcher's choice (l2_head_group in
   // fmha_fwd_sm90_kernel.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
   int l2_head_group = -1;
-  // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense inputs, one per tile for
-  // varlen ones), N > 0 = N (at most one per tile; tests run many tiles per CTA on small problems with it).
+  // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense unmasked inputs, one per
+  // tile for varlen or causal ones), N > 0 = N (at most one per tile; tests run many tiles per CTA with it).
   int ctas = 0;
 };
 
