@@ -79,10 +79,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     empty sequence, rows past the end are dropped, a sequence longer than max_seqlen keeps its first
     max_seqlen rows (queries) or keys. Rows of out and lse that no sequence covers are not written (their
     contents are unspecified), and their gradients are 0. Sequences that overlap (after a decreasing
-    cu_seqlens) are computed independently and race where they overlap. Two calls check the values whatever
-    check_values says, because their kernels need it: the deterministic backward (its ordered dQ
-    reduction cannot complete for overlapping sequences) and the SM100 kernels, which read cu_seqlens as
-    given.
+    cu_seqlens) are computed independently and race where they overlap. The deterministic backward
+    checks the values whatever check_values says (its ordered dQ reduction cannot complete for overlapping
+    sequences). The SM100 kernels run on a copy of cu_seqlens made on the device, each entry clamped into
+    [0, T] and raised to the one before: there a sequence that starts before the previous one ends starts
+    at that end, and a sequence longer than max_seqlen is not cut (its out, lse and gradients are
+    unspecified; nothing outside the tensors is touched and the other sequences are unaffected). On SM100
+    a sequence's last partial tile also reads the packed rows after it, so a NaN/Inf in the next
+    sequence's k/v (q/dO in the backward) can reach its results.
     """
     V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])

@@ -1,4 +1,6 @@
 """torch.library wiring: opcheck on every op, torch.compile(fullgraph=True) without graph breaks."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,12 +113,15 @@ def test_sm100_forward_output_carries_its_own_padding():
 
 def test_value_checks_before_kernels_that_need_them(monkeypatch):
     """Varlen calls check cu_seqlens values (one host copy) only where the kernel needs it: families that
-    read them unclamped (Family.guards_values false: SM100) and the deterministic backward; never for dense
-    calls, never under MLA_AUTOGRAD_CHECK_VALUES=0; and a bad value then raises before the kernel."""
+    read them unclamped (Family.guards_values false: none now; the SM100 host layer sanitises them on the
+    device) and the deterministic backward; never for dense calls, never under MLA_AUTOGRAD_CHECK_VALUES=0;
+    and a bad value then raises before the kernel."""
     from mla_autograd import _ops, _validate
     from mla_autograd._kernels import FAMILIES
 
-    assert [n for n, f in FAMILIES.items() if not f.guards_values] == ["fmha_fwd_sm100", "fmha_bwd_sm100"]
+    assert [n for n, f in FAMILIES.items() if not f.guards_values] == []
+    monkeypatch.setitem(FAMILIES, "fmha_unguarded_test",  # a family without the guarantee, to test the rule
+                        dataclasses.replace(FAMILIES["fmha_fwd_sm90"], name="fmha_unguarded_test", guards_values=False))
     q, k = torch.randn(7, 2, 8), torch.randn(9, 2, 8)
     cq, ck = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
     seen = []
@@ -130,14 +135,15 @@ def test_value_checks_before_kernels_that_need_them(monkeypatch):
         return len(seen)
 
     assert checked("fmha_fwd_sm90") == 0 and checked("fmha_bwd_sm90") == 0
-    assert checked("fmha_fwd_sm100") == 1 and checked("fmha_bwd_sm100") == 1
+    assert checked("fmha_fwd_sm100") == 0 and checked("fmha_bwd_sm100") == 0  # no host sync on SM100
+    assert checked("fmha_unguarded_test") == 1
     assert checked("fmha_bwd_sm90", deterministic=True) == 1
-    assert checked("fmha_fwd_sm100", cu_q=None, cu_k=None) == 0
-    assert seen == [] and checked("fmha_bwd_sm100") == 1 and seen == [(7, 9, 4, 5)]
+    assert checked("fmha_unguarded_test", cu_q=None, cu_k=None) == 0
+    assert seen == [] and checked("fmha_unguarded_test") == 1 and seen == [(7, 9, 4, 5)]
     with pytest.raises(ValueError, match="max_seqlen_k = 4 is smaller"):
-        checked("fmha_fwd_sm100", mk=4)
+        checked("fmha_unguarded_test", mk=4)
     monkeypatch.setenv("MLA_AUTOGRAD_CHECK_VALUES", "0")
-    assert checked("fmha_fwd_sm100", mk=4) == 0
+    assert checked("fmha_unguarded_test", mk=4) == 0
 
 
 class _FakeDecodeKernel:

@@ -9,6 +9,8 @@
 //
 // * Only the variable-length problem shape is compiled; dense (B, S, H, D) tensors are viewed as
 //   (B*S, H, D) with cu_seqlens = arange * S (copied first when batch/sequence cannot be merged).
+// * Varlen cu_seqlens are sanitised on the device (sm100_fmha_cu.h) and the gradients zeroed first, so
+//   any values stay inside the tensors and the workspace (see ws_tail) without a host synchronisation.
 // * Workspace sizes in int64 (CUTLASS's get_workspace_size overflows int). The workspace is padded
 //   per batch to max_seqlen_q; batches are processed in chunks so that (a) a skewed varlen batch
 //   does not allocate B * max_q rows when the tokens are far fewer, and (b) for dense inputs every
@@ -58,6 +60,8 @@ struct BwdPlan {
   int64_t lse_head = 0, lse_batch = 0;   // lse addressing for prep
   int64_t qp = 0, dp = 0;
   int64_t chunk = 0, num_chunks = 0;
+  bool isolate = false;  // dense batches launched one per chunk (see make_plan)
+  int64_t ws_tail = 0;  // floats past the end of the lse / sum(O*dO) workspaces (see make_plan)
   int64_t ws_scaled_lse = 0, ws_sum_odo = 0, ws_dq_acc = 0, workspace_bytes = 0, workspace_bytes_unchunked = 0;
   int64_t expand_bytes = 0;
   float scale = 0.f;
@@ -230,6 +234,14 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   for (auto* r : {&P.q, &P.k, &P.v, &P.o, &P.dout, &P.dk, &P.dv}) {
     MLA_CHECK(r->row <= kInt32Max && r->head <= kInt32Max, "mla_autograd sm100: strides must be below 2^31");
   }
+  // The launcher forms the kv-group strides of q and dO (head stride x query heads per kv head) in int32.
+  MLA_CHECK(P.q.head * P.kern_h_r <= kInt32Max && P.dout.head * P.kern_h_r <= kInt32Max,
+            "mla_autograd sm100: q / dout head stride x (query heads / kv heads) = ",
+            std::max(P.q.head, P.dout.head) * P.kern_h_r, " must be below 2^31 (int32 kv-group stride of the CUTLASS "
+            "backward)");
+  // TMA row coordinates are int32: cu[b] + row, below the packed rows + one tile.
+  MLA_CHECK(P.total_q + 128 <= kInt32Max && P.total_k + 128 <= kInt32Max,
+            "mla_autograd sm100: q / k rows + 128 must be below 2^31 (int32 TMA row coordinates of the CUTLASS backward)");
 
   // workspace: [b][h][qp] scaled lse, [b][h][qp] -sum(O*dO), [b][h][qp][dp] fp32 dQ (int64 sizes)
   P.qp = round_up(P.max_q, 8);
@@ -238,11 +250,18 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   P.workspace_bytes_unchunked = P.B * per_batch;
   MLA_CHECK(P.dp * P.qp * KH <= kInt32Max, "mla_autograd sm100: heads * round8(max_seqlen_q) * round8(d_qk) = ",
               P.dp * P.qp * KH, " must be below 2^31 (int32 batch stride of the CUTLASS dQ accumulator)");
+  // The kernel reads a sequence's LSE and sum(O*dO) rows q < len_q from its batch's qp rows of workspace. A
+  // varlen sequence longer than max_seqlen_q (a bad value, not checked on the host) reads past them, into
+  // the next batches' rows, and for the last batch of a chunk at most total_q floats past the end: both
+  // workspaces are allocated that much longer, and their int32 offsets are bounded with it.
+  P.ws_tail = P.varlen ? P.total_q : 0;
+  MLA_CHECK(P.qp * KH + P.ws_tail <= kInt32Max, "mla_autograd sm100: heads * round8(max_seqlen_q) + q rows = ",
+            P.qp * KH + P.ws_tail, " must be below 2^31 (int32 offsets of the CUTLASS backward's LSE loads)");
   int64_t chunk = std::max<int64_t>(P.B, 1);
   // (a) memory: padded rows of a chunk at most max(2 * total_q, max_q)
   chunk = std::min(chunk, std::max<int64_t>(1, std::max(2 * P.total_q, P.qp) / std::max<int64_t>(P.qp, 1)));
   // (b) int32 offsets inside the kernel: LSE / sum loads b*qp*H + h*qp + q
-  chunk = std::min(chunk, std::max<int64_t>(1, kInt32Max / std::max<int64_t>(P.qp * KH, 1)));
+  chunk = std::min(chunk, std::max<int64_t>(1, (kInt32Max - P.ws_tail) / std::max<int64_t>(P.qp * KH, 1)));
   // (c) dK/dV plain stores: (cu[b] + r) * row + h * head + d; dense: rows of a chunk = chunk * Sk
   auto kv_extent = [&](int64_t rows) {
     return std::max({extent(rows, P.dk.row, P.kern_h_k, P.dk.head, P.dqk),
@@ -259,11 +278,18 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
       chunk = std::max<int64_t>(1, std::min(chunk - 1, kInt32Max / kv_extent(P.Sk)));
     }
   }
+  // (d) dense batches isolated from each other: the varlen loads bound a tile only by the chunk's rows, so a
+  // batch's last partial query tile (64 rows MLA, 128 otherwise) or key tile (128) reads the next batch's
+  // first q/dO or k/v rows, and P = 0 there times a NaN/Inf in them is NaN in this batch's dQ, dK, dV. One
+  // batch per chunk ends the TMA extents at the batch, which zero-fill the rest.
+  const int64_t tile_q = P.hd == HeadDims::kMla192x128 ? 64 : 128;
+  P.isolate = !P.varlen && P.B > 1 && (P.Sq % tile_q != 0 || P.Sk % 128 != 0);
+  if (P.isolate) chunk = 1;
   chunk = std::min(chunk, int64_t(65535));
   P.chunk = chunk;
   P.num_chunks = P.B > 0 ? ceil_div(P.B, chunk) : 0;
-  P.ws_scaled_lse = chunk * KH * P.qp * 4;
-  P.ws_sum_odo = chunk * KH * P.qp * 4;
+  P.ws_scaled_lse = (chunk * KH * P.qp + P.ws_tail) * 4;
+  P.ws_sum_odo = (chunk * KH * P.qp + P.ws_tail) * 4;
   P.ws_dq_acc = chunk * KH * P.qp * P.dp * 4;
   P.workspace_bytes = P.ws_scaled_lse + P.ws_sum_odo + P.ws_dq_acc;
   return P;
@@ -287,7 +313,9 @@ py::dict plan_to_dict(const BwdPlan& P) {
   d["kernel_heads"] = tup({I(P.kern_h_r), I(P.kern_h_k)});
   py::object hb = mla ? py::object(tup({I(P.kern_h_r * P.kern_h_k), I(P.chunk)}))
                       : py::object(tup({tup({I(P.kern_h_r), I(P.kern_h_k)}), I(P.chunk)}));
-  d["problem_shape"] = tup({tup({I(P.max_q), I(P.total_q)}), tup({I(P.max_k), I(P.total_k)}), I(P.dqk), I(P.dvo), hb});
+  // one chunk's launch: dense chunks see chunk * S rows (their TMA extents)
+  const int64_t rows_q = P.varlen ? P.total_q : P.chunk * P.Sq, rows_k = P.varlen ? P.total_k : P.chunk * P.Sk;
+  d["problem_shape"] = tup({tup({I(P.max_q), I(rows_q)}), tup({I(P.max_k), I(rows_k)}), I(P.dqk), I(P.dvo), hb});
   auto sq = [&](const RowHead& r) { return tup({I(r.row), I(1), tup({I(r.head), I(0)})}); };
   d["stride_q"] = sq(P.q);
   d["stride_k"] = sq(P.k);
@@ -306,10 +334,13 @@ py::dict plan_to_dict(const BwdPlan& P) {
   d["qp"] = P.qp;
   d["dp"] = P.dp;
   d["chunk_batches"] = P.chunk;
+  d["isolated_batches"] = P.isolate;
   d["num_chunks"] = P.num_chunks;
   d["workspace_scaled_lse_bytes"] = P.ws_scaled_lse;
   d["workspace_sum_odo_bytes"] = P.ws_sum_odo;
   d["workspace_dq_acc_bytes"] = P.ws_dq_acc;
+  d["workspace_tail_floats"] = P.ws_tail;
+  d["cu_sanitized"] = P.varlen;
   d["workspace_bytes"] = P.workspace_bytes;
   d["workspace_bytes_unchunked"] = P.workspace_bytes_unchunked;
   d["expand_kv_bytes"] = P.expand_bytes;
@@ -382,12 +413,19 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   }
 
   const int64_t KH = P.kern_h_r * P.kern_h_k;
-  at::Tensor ws_lse = at::empty({P.chunk * KH * P.qp}, q.options().dtype(at::kFloat));
-  at::Tensor ws_sum = at::empty({P.chunk * KH * P.qp}, q.options().dtype(at::kFloat));
+  at::Tensor ws_lse = at::empty({P.chunk * KH * P.qp + P.ws_tail}, q.options().dtype(at::kFloat));
+  at::Tensor ws_sum = at::empty({P.chunk * KH * P.qp + P.ws_tail}, q.options().dtype(at::kFloat));
   at::Tensor ws_dq = at::empty({P.chunk * KH * P.qp * P.dp}, q.options().dtype(at::kFloat));
 
-  at::Tensor cu_dense_q, cu_dense_k;
-  if (!P.varlen) {
+  at::Tensor cu_dense_q, cu_dense_k, cu_san_q, cu_san_k;
+  if (P.varlen) {
+    // sanitised on the device (sm100_fmha_cu.h); rows that no sequence covers get zero gradients
+    std::tie(cu_san_q, cu_san_k) =
+        launched_cu(*cu_seqlens_q, *cu_seqlens_k, P.B, P.total_q, P.total_k, CuLayout::kPlain, stream);
+    dqt.zero_();
+    dkt.zero_();
+    dvt.zero_();
+  } else {
     cu_dense_q = at::arange(0, (P.chunk + 1) * P.Sq, P.Sq, i32).narrow(0, 0, P.chunk + 1);
     cu_dense_k = at::arange(0, (P.chunk + 1) * P.Sk, P.Sk, i32).narrow(0, 0, P.chunk + 1);
   }
@@ -404,8 +442,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     const float* lse_ptr = lse.data_ptr<float>();
     int64_t tq = P.total_q, tk = P.total_k;
     if (P.varlen) {
-      cuq = cu_seqlens_q->data_ptr<int>() + b0;
-      cuk = cu_seqlens_k->data_ptr<int>() + b0;
+      cuq = cu_san_q.data_ptr<int>() + b0;
+      cuk = cu_san_k.data_ptr<int>() + b0;
     } else {
       cuq = cu_dense_q.data_ptr<int>();
       cuk = cu_dense_k.data_ptr<int>();
@@ -507,6 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"), py::arg("deterministic"));
+  mla_sm100::bind_sanitize_cu(m);
   m.def("plan_bwd", &mla_sm100::plan_bwd,
         "pure-host plan of bwd(...) for the same arguments (meta/CPU tensors fine): validates and returns problem "
         "shape, strides, int64 workspace sizes, chunking, GQA handling, grid; launches nothing",

@@ -5,6 +5,7 @@
 //            (rows without any visible key have lse = -inf; -inf here makes P = exp2(S*c - inf) = 0
 //             for them instead of exp2(-inf + inf) = NaN, so their dQ/dK/dV contributions are 0)
 //   convert: dQ[cu[b] + q][h][:] = scale * dq_acc[b][h][q][:]
+// plus the cu_seqlens sanitiser (sm100_fmha_cu.cuh).
 // All offsets are int64.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,6 +13,7 @@
 
 #include <cmath>
 
+#include "sm100/sm100_fmha_cu.cuh"
 #include "sm100/sm100_fmha_launch.h"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 1000)

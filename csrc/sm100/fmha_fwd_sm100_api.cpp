@@ -13,10 +13,12 @@
 //   much of its own storage in front of it (allocate buf[(pad + T), H, Dv] and pass buf[pad:], see
 //   plan_fwd()["out_pad_rows"]) it is written in place; otherwise the kernel writes a padded
 //   staging buffer allocated here and the result is copied into `out`. The caller never has to pad.
-// * Bottom-right causal rows with no visible key (s_q > s_k) and sequences with s_k = 0: cu_seqlens
-//   are rewritten on the device so such rows form their own batches with zero keys, for which the
-//   kernel writes O = 0 and LSE = -inf (never NaN). An empty batch 0 is put in front so that
-//   CUTLASS's correction_empty debug print (block (0,0,0) only) never fires.
+// * Varlen cu_seqlens are sanitised on the device (sm100_fmha_cu.h: clamped into the packed rows and
+//   made non-decreasing), so the kernels stay inside q, k, v, out and lse for any values, without a host
+//   synchronisation. Bottom-right causal rows with no visible key (s_q > s_k) and sequences with s_k = 0
+//   form their own batches with zero keys, for which the kernel writes O = 0 and LSE = -inf (never
+//   NaN). An empty batch 0 is put in front so that CUTLASS's correction_empty debug print (block
+//   (0,0,0) only) never fires.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -51,14 +53,18 @@ struct FwdPlan {
   std::string empty;       // "" | "no_query_rows" | "no_keys": handled without a kernel
   std::string cu_rewrite;  // "none" | "prepend_empty_batch" | "split_bottom_right"
   int64_t cu_entries = 0;  // entries of the rewritten cu_seqlens
-  int64_t batches = 0;     // batches of the launch
+  int64_t batches = 0;     // batches of a launch
+  int64_t launches = 1;    // kernel launches: one per batch for dense calls isolated per batch, else one
+  int64_t launch_q = 0, launch_k = 0;  // q / k rows of a launch (its TMA extents)
   bool copy_q = false, copy_k = false, copy_v = false;
   bool out_staging = false;
   int64_t out_pad_rows = 0, out_staging_bytes = 0;
   bool lse_staging = false;
   RowHead q, k, v, o;
   int64_t lse_head = 0, lse_batch = 0, lse_staging_bytes = 0;
+  int64_t lse_launch = 0;  // element offset of launch i's lse: i * lse_launch
   float scale = 0.f;
+  bool causal_sched = false;  // CausalIndividualTileScheduler (else IndividualTileScheduler)
   int64_t grid_x = 0, grid_y = 0, grid_z = 0;
 };
 
@@ -157,20 +163,30 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   as_contig(P.k, P.Hk, P.dqk, P.copy_k);
   as_contig(P.v, P.Hk, P.dvo, P.copy_v);
 
+  // Dense batches are isolated from each other. Example 77's varlen loads bound a tile only by the packed
+  // tensor's extent, so a sequence's last partial key tile reads the next sequence's first rows, and P = 0
+  // there times a NaN/Inf in V is NaN in this sequence's output. With one launch per batch the TMA extent
+  // ends at the batch and zero-fills the rest. Only dense calls whose key length leaves a partial 128-row
+  // tile need it (varlen sequences are packed by the caller: docs/architecture.md).
+  P.launches = (!P.varlen && P.B > 1 && P.Sk % 128 != 0) ? P.B : 1;
+  const int64_t LB = P.launches > 1 ? 1 : P.B;  // sequences of a launch
+  P.launch_q = P.launches > 1 ? P.Sq : P.total_q;
+  P.launch_k = P.launches > 1 ? P.Sk : P.total_k;
+
   // cu_seqlens rewrite and launched batches
   const bool split = P.mask == Mask::kCausalBottomRight && (P.varlen || P.Sq > P.Sk);
   if (split) {
     P.cu_rewrite = "split_bottom_right";
-    P.cu_entries = 2 * P.B + 2;
-    P.batches = 2 * P.B + 1;
+    P.cu_entries = 2 * LB + 2;
+    P.batches = 2 * LB + 1;
   } else if (P.varlen) {
     P.cu_rewrite = "prepend_empty_batch";
     P.cu_entries = P.B + 2;
     P.batches = P.B + 1;
   } else {
     P.cu_rewrite = "none";
-    P.cu_entries = P.B + 1;
-    P.batches = P.B;
+    P.cu_entries = LB + 1;
+    P.batches = LB;
   }
   MLA_CHECK(P.batches <= 65535, "mla_autograd sm100: ", P.B, " sequences give ", P.batches,
               " launched batches, above the grid limit 65535; split the batch");
@@ -201,9 +217,9 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     } else {
       P.lse_staging = true;
     }
-  } else if (split) {
+  } else if (split && P.launches == 1) {
     P.lse_staging = true;  // launched batch index != user batch index
-  } else {
+  } else {  // one launched batch per user batch (or one launch per batch, each at its lse offset)
     bool ok = (P.Sq <= 1 || lse.stride(2) == 1);
     int64_t sb = P.B > 1 ? lse.stride(0) - P.Sq : 0;
     int64_t sh = P.Hq > 1 ? lse.stride(1) : P.Sq;
@@ -220,6 +236,10 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     P.lse_batch = 0;
     P.lse_staging_bytes = P.Hq * P.total_q * 4;
   }
+  if (P.launches > 1) {  // batch b's lse starts b * (Sq + batch gap) elements in; its launched batches share it
+    P.lse_launch = P.Sq + P.lse_batch;
+    P.lse_batch = 0;
+  }
   {
     int64_t max_off = P.total_q + (P.Hq - 1) * P.lse_head + (P.batches - 1) * P.lse_batch;
     MLA_CHECK(max_off <= kInt32Max, "mla_autograd sm100: lse addressing exceeds int32 (", max_off,
@@ -235,8 +255,20 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   MLA_CHECK(P.max_q * P.o.row <= kInt32Max, "mla_autograd sm100: max_seqlen_q x output row stride = ",
             P.max_q * P.o.row, " must be below 2^31 (int32 output offset of CUTLASS example 77's forward epilogue; ",
             "the dispatch table sends such calls elsewhere)");
-  P.grid_x = ceil_div(P.max_q, 256);
-  P.grid_y = P.Hq;
+  // TMA coordinates of example 77 are int32: query rows cu[b] + row (below total_q + the grid's rows), key
+  // rows cu_k[b] + row (below total_k + one 128-row tile), the output's first coordinate max_q - len + row.
+  const int64_t grid_rows = round_up(P.max_q, 256);
+  MLA_CHECK(P.total_q + grid_rows <= kInt32Max && P.max_q + grid_rows <= kInt32Max && P.total_k + 128 <= kInt32Max,
+            "mla_autograd sm100: q rows + round_up(max_seqlen_q, 256) = ", P.total_q + grid_rows, " (or k rows + 128 = ",
+            P.total_k + 128, ") must be below 2^31 (int32 TMA row coordinates of CUTLASS example 77's forward)");
+  // Tile scheduler as FlashMLA picks it (and example 77's MLA runner): the causal one for causal masks when
+  // the query heads are a multiple of its head group (8); its grid is (heads, q tiles, batches).
+  const int64_t q_tiles = ceil_div(P.max_q, 256);
+  MLA_CHECK(q_tiles <= 65535, "mla_autograd sm100: max_seqlen_q = ", P.max_q, " gives ", q_tiles,
+            " query tiles of 256 rows, above the grid limit 65535");
+  P.causal_sched = P.mask != Mask::kNone && P.Hq % 8 == 0;
+  P.grid_x = P.causal_sched ? P.Hq : q_tiles;
+  P.grid_y = P.causal_sched ? q_tiles : P.Hq;
   P.grid_z = P.batches;
   return P;
 }
@@ -255,11 +287,14 @@ py::dict plan_to_dict(const FwdPlan& P) {
   d["empty"] = P.empty.empty() ? py::object(py::none()) : py::object(py::str(P.empty));
   d["cu_rewrite"] = P.cu_rewrite;
   d["cu_entries"] = P.cu_entries;
+  d["cu_sanitized"] = P.cu_rewrite != "none";
   d["batches_launched"] = P.batches;
   py::object D = mla ? py::object(tup({I(128), I(64)})) : py::object(I(128));
   // VariableLength leaves shown as (max_length, total_length)
-  d["problem_shape"] = tup({tup({I(P.max_q), I(P.total_q)}), tup({I(P.max_k), I(P.total_k)}), D,
+  // one launch's problem shape (launches of them, one per batch for isolated dense batches)
+  d["problem_shape"] = tup({tup({I(P.max_q), I(P.launch_q)}), tup({I(P.max_k), I(P.launch_k)}), D,
                             tup({tup({I(P.h_r), I(P.Hk)}), I(P.batches)})});
+  d["launches"] = P.launches;
   d["stride_q"] = tup({I(P.q.row), I(1), tup({tup({I(P.q.head), I(P.q.head * P.h_r)}), I(0)})});
   d["stride_k"] = tup({I(P.k.row), I(1), tup({tup({I(0), I(P.k.head)}), I(0)})});
   d["stride_v"] = tup({I(P.v.row), I(1), tup({tup({I(0), I(P.v.head)}), I(0)})});
@@ -274,6 +309,7 @@ py::dict plan_to_dict(const FwdPlan& P) {
   d["lse_staging"] = P.lse_staging;
   d["lse_staging_bytes"] = P.lse_staging_bytes;
   d["workspace_bytes"] = int64_t(0);
+  d["tile_scheduler"] = P.causal_sched ? "CausalIndividualTileScheduler" : "IndividualTileScheduler";
   d["grid"] = tup({I(P.grid_x), I(P.grid_y), I(P.grid_z)});
   d["threads"] = 512;
   d["smem_bytes"] = fwd_smem_bytes(P.dtype, P.hd, P.mask);
@@ -325,17 +361,14 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   if (P.varlen) {
     cu_q = *cu_seqlens_q;
     cu_k = *cu_seqlens_k;
-  } else {
-    cu_q = at::arange(0, (P.B + 1) * P.Sq, std::max<int64_t>(P.Sq, 1), i32).narrow(0, 0, P.B + 1);
-    cu_k = at::arange(0, (P.B + 1) * P.Sk, std::max<int64_t>(P.Sk, 1), i32).narrow(0, 0, P.B + 1);
+  } else {  // the sequences of one launch
+    const int64_t LB = P.launches > 1 ? 1 : P.B;
+    cu_q = at::arange(0, (LB + 1) * P.Sq, std::max<int64_t>(P.Sq, 1), i32).narrow(0, 0, LB + 1);
+    cu_k = at::arange(0, (LB + 1) * P.Sk, std::max<int64_t>(P.Sk, 1), i32).narrow(0, 0, LB + 1);
   }
-  if (P.cu_rewrite != "none") {
-    at::Tensor nq = at::empty({P.cu_entries}, i32), nk = at::empty({P.cu_entries}, i32);
-    throw_on(fwd_rewrite_cu(cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), int(P.B), P.cu_rewrite == "split_bottom_right",
-                            nq.data_ptr<int>(), nk.data_ptr<int>(), stream),
-             "cu_seqlens rewrite");
-    cu_q = nq;
-    cu_k = nk;
+  if (P.cu_rewrite != "none") {  // every varlen call (the caller's values sanitised) and the dense bottom-right split
+    const CuLayout layout = P.cu_rewrite == "split_bottom_right" ? CuLayout::kSplitBottomRight : CuLayout::kPrependEmpty;
+    std::tie(cu_q, cu_k) = launched_cu(cu_q, cu_k, cu_q.size(0) - 1, P.launch_q, P.launch_k, layout, stream);
   }
 
   at::Tensor out_buf;
@@ -357,8 +390,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.mask = P.mask;
   L.max_q = int(P.max_q);
   L.max_k = int(P.max_k);
-  L.total_q = int(P.total_q);
-  L.total_k = int(P.total_k);
+  L.total_q = int(P.launch_q);
+  L.total_k = int(P.launch_k);
   L.batch = int(P.batches);
   L.h_r = int(P.h_r);
   L.h_k = int(P.Hk);
@@ -371,7 +404,19 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.lse = lse_ptr; L.lse_head = int(P.lse_head); L.lse_batch = int(P.lse_batch);
   L.softmax_scale = P.scale;
   L.sm_count = dev.sm_count;
-  throw_on(fwd_launch(L, stream), "forward kernel");
+  L.causal_scheduler = P.causal_sched;
+  const int64_t esz = q.element_size();
+  for (int64_t i = 0; i < P.launches; ++i) {  // launch i: batch i of an isolated dense call (int64 offsets)
+    FwdLaunch Li = L;
+    if (i > 0) {
+      Li.q = static_cast<const char*>(L.q) + i * P.Sq * P.q.row * esz;
+      Li.k = static_cast<const char*>(L.k) + i * P.Sk * P.k.row * esz;
+      Li.v = static_cast<const char*>(L.v) + i * P.Sk * P.v.row * esz;
+      Li.o = static_cast<char*>(L.o) + i * P.Sq * P.o.row * esz;
+      Li.lse = L.lse + i * P.lse_launch;
+    }
+    throw_on(fwd_launch(Li, stream), "forward kernel");
+  }
 
   if (P.out_staging) {
     at::Tensor view = out_buf.narrow(0, P.max_q, P.total_q);
@@ -402,6 +447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
         py::arg("causal"), py::arg("bottom_right"));
+  mla_sm100::bind_sanitize_cu(m);
   m.def("out_pad_rows", &mla_sm100::out_pad_rows,
         "rows of (heads*d_vo) elements that must precede `out` in its own storage for an in-place varlen write "
         "(allocate buf[pad + total_q] and pass buf[pad:]); otherwise fwd stages and copies",

@@ -10,6 +10,7 @@
 #include "collective/sm100_fmha_fwd_mainloop_tma_warpspecialized.hpp"
 #include "collective/sm100_fmha_mla_fwd_mainloop_tma_warpspecialized.hpp"
 #include "collective/sm100_fmha_fwd_epilogue_tma_warpspecialized.hpp"
+#include "kernel/fmha_causal_tile_scheduler.hpp"
 #include "kernel/fmha_tile_scheduler.hpp"
 #include "kernel/sm100_fmha_fwd_kernel_tma_warpspecialized.hpp"
 
@@ -19,7 +20,12 @@ using namespace cute;
 namespace fc = cutlass::fmha::collective;
 namespace fk = cutlass::fmha::kernel;
 
-template <class Element, bool kMla, class MaskT>
+// kCausalSched: example 77's CausalIndividualTileScheduler (grid (heads, q tiles, batches), the q tiles with
+// the longest causal key loops launched first, query heads swizzled in groups of 8 for L2 reuse), which
+// FlashMLA and example 77 use for causal masks when the query heads are a multiple of 8; otherwise the
+// non-persistent IndividualTileScheduler (grid (q tiles, heads, batches)). Neither is persistent (FlashMLA's
+// choice for causal and varlen calls; the persistent MLA load/epilogue ordering is not used).
+template <class Element, bool kMla, class MaskT, bool kCausalSched = false>
 struct FwdKernelOf {
   using ElementOut = Element;
   using SeqLen = fc::VariableLength;
@@ -32,9 +38,7 @@ struct FwdKernelOf {
   using StrideO = StrideQ;
   using StrideLSE = cute::tuple<_1, cute::tuple<cute::tuple<int, int>, int>>;       // (row 1, ((h_r, h_k), b))
   using TileShape = std::conditional_t<kMla, Shape<_256, _128, Shape<_128, _64>>, Shape<_256, _128, _128>>;
-  // Non-persistent scheduler for everything (FlashMLA does the same for varlen / causal; the
-  // persistent MLA load/epilogue ordering is not used).
-  using Scheduler = fk::IndividualTileScheduler;
+  using Scheduler = std::conditional_t<kCausalSched, fk::CausalIndividualTileScheduler, fk::IndividualTileScheduler>;
   using Mainloop = std::conditional_t<kMla,
       fc::Sm100MlaFwdMainloopTmaWarpspecialized<Element, float, float, TileShape, StrideQ, StrideK, StrideV,
                                                 MaskT, Shape<_2, _1, _1>, cute::false_type>,
@@ -47,12 +51,15 @@ struct FwdKernelOf {
   using Kernel = fk::Sm100FmhaFwdKernelTmaWarpspecialized<ProblemShape, Mainloop, Epilogue, Scheduler, Schedule>;
 };
 
-template <class Element, bool kMla, class MaskT>
+template <class Element, bool kMla, class MaskT, bool kCausalSched>
 LaunchStatus run_fwd(FwdLaunch const& p, cudaStream_t stream) {
-  using KO = FwdKernelOf<Element, kMla, MaskT>;
+  using KO = FwdKernelOf<Element, kMla, MaskT, kCausalSched>;
   using Kernel = typename KO::Kernel;
   typename KO::ProblemShape shape;
   if (p.cu_q == nullptr || p.cu_k == nullptr) return LaunchStatus::fail("launch without cu_seqlens");
+  if (kCausalSched && (p.h_r * p.h_k) % fk::CausalIndividualTileScheduler::TileH != 0) {
+    return LaunchStatus::fail("the causal tile scheduler needs query heads in multiples of 8");
+  }
   get<0>(shape) = fc::VariableLength{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
   get<1>(shape) = fc::VariableLength{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
   if constexpr (kMla) {
@@ -87,9 +94,15 @@ LaunchStatus run_fwd(FwdLaunch const& p, cudaStream_t stream) {
 template <class Element, bool kMla>
 LaunchStatus run_fwd_masks(FwdLaunch const& p, cudaStream_t stream) {
   switch (p.mask) {
-    case Mask::kNone: return run_fwd<Element, kMla, fc::ResidualMask>(p, stream);
-    case Mask::kCausalTopLeft: return run_fwd<Element, kMla, fc::CausalMask<true>>(p, stream);
-    case Mask::kCausalBottomRight: return run_fwd<Element, kMla, fc::CausalMask<false>>(p, stream);
+    case Mask::kNone:
+      if (p.causal_scheduler) return LaunchStatus::fail("the causal tile scheduler needs a causal mask");
+      return run_fwd<Element, kMla, fc::ResidualMask, false>(p, stream);
+    case Mask::kCausalTopLeft:
+      return p.causal_scheduler ? run_fwd<Element, kMla, fc::CausalMask<true>, true>(p, stream)
+                                : run_fwd<Element, kMla, fc::CausalMask<true>, false>(p, stream);
+    case Mask::kCausalBottomRight:
+      return p.causal_scheduler ? run_fwd<Element, kMla, fc::CausalMask<false>, true>(p, stream)
+                                : run_fwd<Element, kMla, fc::CausalMask<false>, false>(p, stream);
   }
   return LaunchStatus::fail("unknown mask");
 }

@@ -12,6 +12,7 @@
 
 #include "common/checks.h"
 #include "common/device_info.h"
+#include "sm100/sm100_fmha_cu.h"
 #include "sm100/sm100_fmha_launch.h"
 
 namespace mla_sm100 {
@@ -115,6 +116,50 @@ inline py::object I(int64_t v) { return py::int_(v); }
 inline void throw_on(LaunchStatus const& s, const char* what) {
   MLA_CHECK(s.code == 0, "mla_autograd sm100: ", what, ": ", s.msg,
               s.cuda != cudaSuccess ? std::string(" (") + cudaGetErrorString(s.cuda) + ")" : std::string());
+}
+
+// The launched cu_seqlens (sm100_fmha_cu.h), made on `stream` from the caller's int32 (B + 1) tensors:
+// sanitised (clamped into [0, rows], non-decreasing) and laid out; no host synchronisation.
+inline std::pair<at::Tensor, at::Tensor> launched_cu(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t B,
+                                                     int64_t rows_q, int64_t rows_k, CuLayout layout,
+                                                     cudaStream_t stream) {
+  const int64_t n = B + 1, e = cu_entries(layout, B);
+  const bool plain = layout == CuLayout::kPlain;
+  at::Tensor buf = at::empty({2 * n + (plain ? 0 : 2 * e)}, cu_q.options());
+  int* base = buf.data_ptr<int>();
+  CuSanitize p{cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), int(B), int(rows_q), int(rows_k), layout,
+               base, base + n, plain ? base : base + 2 * n, plain ? base + n : base + 2 * n + e};
+  throw_on(sanitize_cu(p, stream), "cu_seqlens sanitiser");
+  return plain ? std::make_pair(buf.narrow(0, 0, n), buf.narrow(0, n, n))
+               : std::make_pair(buf.narrow(0, 2 * n, e), buf.narrow(0, 2 * n + e, e));
+}
+
+// The same steps on the host (CPU int32 tensors), for the CPU tests: (launched cu_q, launched cu_k).
+inline py::tuple sanitize_cu_on_host(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t rows_q, int64_t rows_k,
+                                     int64_t layout) {
+  MLA_CHECK(!cu_q.is_cuda() && !cu_k.is_cuda(), "mla_autograd sm100: sanitize_cu_host takes CPU tensors");
+  MLA_CHECK(layout >= 0 && layout <= 2, "mla_autograd sm100: layout must be 0, 1 or 2");
+  check_cu(cu_q, "cu_seqlens_q", -1);
+  const int64_t B = cu_q.size(0) - 1;
+  check_cu(cu_k, "cu_seqlens_k", B + 1);
+  const CuLayout l = CuLayout(layout);
+  at::Tensor cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  at::Tensor c = at::empty({2 * (B + 1)}, cq.options());
+  at::Tensor dq = at::empty({cu_entries(l, B)}, cq.options()), dk = at::empty({cu_entries(l, B)}, cq.options());
+  const bool plain = l == CuLayout::kPlain;
+  int* cp = c.data_ptr<int>();
+  CuSanitize p{cq.data_ptr<int>(), ck.data_ptr<int>(), int(B), int(rows_q), int(rows_k), l, cp, cp + B + 1,
+               plain ? cp : dq.data_ptr<int>(), plain ? cp + B + 1 : dk.data_ptr<int>()};
+  sanitize_cu_host(p);
+  if (plain) return tup({py::cast(c.narrow(0, 0, B + 1).clone()), py::cast(c.narrow(0, B + 1, B + 1).clone())});
+  return tup({py::cast(dq), py::cast(dk)});
+}
+
+inline void bind_sanitize_cu(py::module_& m) {
+  m.def("sanitize_cu_host", &sanitize_cu_on_host,
+        "the launched cu_seqlens (sanitised, laid out: 0 plain, 1 empty batch in front, 2 bottom-right split) "
+        "computed on the host by the steps of the device kernel; CPU int32 tensors",
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("rows_q"), py::arg("rows_k"), py::arg("layout"));
 }
 
 }  // namespace mla_sm100

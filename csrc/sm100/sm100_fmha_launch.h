@@ -57,6 +57,9 @@ struct FwdLaunch {
   float* lse;    int lse_head, lse_batch;        // lse row (sequence) stride is 1
   float softmax_scale;
   int sm_count;
+  // example 77's CausalIndividualTileScheduler (causal masks, query heads a multiple of 8); else the
+  // IndividualTileScheduler (see sm100_fmha_fwd_impl.cuh)
+  bool causal_scheduler;
 };
 
 // Shared memory (bytes) the kernel of a variant needs; 0 if the variant is not compiled in.
@@ -72,16 +75,6 @@ MLA_SM100_FWD_DECL(fwd_bf16_mha)
 MLA_SM100_FWD_DECL(fwd_fp16_mla)
 MLA_SM100_FWD_DECL(fwd_fp16_mha)
 #undef MLA_SM100_FWD_DECL
-
-// Small helper kernel (fmha_fwd_sm100_aux.cu): rewrite cu_seqlens for the forward launch.
-//   split_bottom_right = false: dst = [cu[0], cu[0], cu[1], ..., cu[B]] (B + 2 entries): an empty
-//     batch 0 in front, so block (0,0,0) never runs CUTLASS's correction_empty (it prints there).
-//   split_bottom_right = true (2B + 2 entries): batch 0 empty; batch 2b+1 = the first
-//     skip_b = max(0, len_q - len_k) query rows of sequence b with NO keys (the kernel writes
-//     O = 0, LSE = -inf for them); batch 2b+2 = the remaining rows with all keys of sequence b,
-//     so every launched bottom-right causal problem has len_q <= len_k.
-LaunchStatus fwd_rewrite_cu(const int* cu_q, const int* cu_k, int batch, bool split_bottom_right,
-                            int* dst_q, int* dst_k, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Backward: main kernel of example 77 (128x128 kernel or the MLA kernel), always with the
