@@ -4,7 +4,7 @@ beside SDPA cuDNN in the same process, bf16 random normal inputs.
     python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
     python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
     ... [--l2-group N]                                                      # either, forced launch grouping
-    ... fwd [--ctas N]                                                      # the forward on a grid of N CTAs
+    ... fwd [--ctas N] [--dynamic 0|1]                                      # the forward's grid and tile assignment
 
 fwd: median times by triton's do_bench (50 ms warm-up, 300 ms), ours through ext.fwd, cuDNN through SDPA;
 FLOPs 2*B*H*S*S*(Dqk+Dv) (halved when causal).
@@ -42,22 +42,24 @@ def _rand(shape, dtype, g):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
 
 
-def _options(l2_group, ctas=None):
+def _options(l2_group, ctas=None, dynamic=None):
     """The launch options dict of fwd_with_options / bwd_with_options, or None for the plain entry."""
-    opts = {k: v for k, v in (("l2_group", l2_group), ("ctas", ctas)) if v is not None}
+    opts = {k: v for k, v in (("l2_group", l2_group), ("ctas", ctas), ("dynamic", dynamic)) if v is not None}
     return opts or None
 
 
-def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64)), l2_group=None, ctas=None):
+def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64)), l2_group=None, ctas=None,
+              dynamic=None, causal_only=False):
     """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows.
     l2_group: None (fwd, the launcher's grouping) or N pairs per L2 launch group (fwd_with_options); ctas: None
-    (the launcher's grid) or a grid of N CTAs (fwd_with_options; more than the tiles: one CTA per tile)."""
+    (the launcher's grid) or a grid of N CTAs (fwd_with_options; more than the tiles: one CTA per tile); dynamic:
+    None (the launcher's tile assignment) or True / False (dynamic / static)."""
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     ext = ext or load_family("fmha_fwd_sm90")
     rows = []
     for d, dv in dims:
-        for causal in (False, True):
+        for causal in ((True,) if causal_only else (False, True)):
             g = torch.Generator(device=DEV).manual_seed(0)
             q = _rand((B, S, H, d), torch.bfloat16, g)
             k = _rand((B, S, H, d), torch.bfloat16, g)
@@ -66,7 +68,7 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
             lse = torch.empty(B, H, S, device=DEV)
             scale = 1.0 / math.sqrt(d)
             args = (q, k, v, out, lse, None, None, None, None, scale, causal, True)
-            opts = _options(l2_group, ctas)
+            opts = _options(l2_group, ctas, dynamic)
             fn = (lambda: ext.fwd(*args)) if opts is None else (lambda: ext.fwd_with_options(*args, opts))  # noqa: E731
             t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
             flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
@@ -81,7 +83,7 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
             except Exception as exc:  # noqa: BLE001
                 print(f"cudnn failed for {d}/{dv}: {exc}")
             r = dict(B=B, H=H, S=S, d=d, dv=dv, causal=causal, l2_group="default" if l2_group is None else l2_group,
-                     ctas="default" if ctas is None else ctas,
+                     ctas="default" if ctas is None else ctas, dynamic="default" if dynamic is None else dynamic,
                      ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
                      cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
             rows.append(r)
@@ -165,12 +167,14 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", choices=("fwd", "bwd"))
     ap.add_argument("--shape", action="append", default=None, metavar="B,H,S", help="fwd: repeatable (default 2,16,8192)")
     ap.add_argument("--dims", action="append", type=int, default=None, help="fwd: only these Dqk (192, 128, 64); repeatable")
-    ap.add_argument("--causal-only", action="store_true", help="bwd: the causal workloads only")
+    ap.add_argument("--causal-only", action="store_true", help="the causal workloads only")
     ap.add_argument("--no-det", action="store_true", help="bwd: not in deterministic mode too")
     ap.add_argument("--l2-group", type=int, default=None, metavar="N",
                     help="force N pairs per launch group (0: all interleaved); default: the launcher's choice")
     ap.add_argument("--ctas", type=int, default=None, metavar="N",
                     help="fwd: a grid of N CTAs (more than the tiles: one per tile); default: the launcher's grid")
+    ap.add_argument("--dynamic", type=int, choices=(0, 1), default=None,
+                    help="fwd: static (0) or dynamic (1) tile assignment; default: the launcher's")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     a = ap.parse_args(argv)
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
         ext = load_family("fmha_fwd_sm90")
         rows = [r for B, H, S in shapes
-                for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group, ctas=a.ctas)]
+                for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group, ctas=a.ctas,
+                                   dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only)]
     else:
         rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group)
     print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")

@@ -33,6 +33,7 @@ void check_strides(const at::Tensor& t, const char* name) {
 // fwd_with_options' `options` -> FmhaFwdSm90Options; {} gives fwd's defaults. Keys:
 //   "l2_group": int >= 0, (head, batch) pairs per L2 launch group (0: every pair interleaved).
 //   "ctas": int >= 0, CTAs of the persistent grid (0: the launcher's choice; see FmhaFwdSm90Options).
+//   "dynamic": bool, dynamic (True) or static (False) tile assignment instead of the launcher's choice.
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
   constexpr const char* fn = "fmha_fwd_sm90";
@@ -42,8 +43,10 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
       o.l2_head_group = mla::option_count(item.second, fn, key);
     } else if (key == "ctas") {
       o.ctas = mla::option_count(item.second, fn, key);
+    } else if (key == "dynamic") {
+      o.scheduler = mla::option_bool(item.second, fn, key) ? 1 : 0;
     } else {
-      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas)");
+      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas, dynamic)");
     }
   }
   return o;
@@ -166,7 +169,18 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
   }
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  cudaError_t err;
+  // The dynamic tile scheduler's counter, zeroed on the stream before the kernel, for the calls whose tiles
+  // the launcher assigns dynamically (dense causal ones, or where the options ask for it: see
+  // run_fmha_fwd_sm90_impl).
+  at::Tensor tile_counter;
+  cudaError_t err = cudaSuccess;
+  if (opt.scheduler == 1 || (opt.scheduler < 0 && causal && !varlen)) {
+    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+    err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+    MLA_CHECK(err == cudaSuccess, "fmha_fwd_sm90: cudaMemsetAsync of the tile counter failed: ",
+              cudaGetErrorString(err));
+  }
   if (Dqk == 192) err = fmha_fwd_sm90_launch_192_128(p, opt, stream);
   else if (Dqk == 128) err = fmha_fwd_sm90_launch_128_128(p, opt, stream);
   else err = fmha_fwd_sm90_launch_64_64(p, opt, stream);
@@ -201,8 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"));
   m.def("fwd_with_options", &fwd_with_options,
         "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
-        "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic); "
-        "{} is fwd",
+        "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic), "
+        "{'dynamic': bool} dynamic or static tile assignment; {} is fwd",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),

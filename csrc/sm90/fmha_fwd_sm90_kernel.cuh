@@ -106,6 +106,11 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
     alignas(16) uint64_t bar_q;
     uint64_t empty_q;  // the consumers' last QK of a tile has read Q: the next tile's Q may be loaded
+    // The producer hands each tile number to the consumers through a two-slot ring (a number >= the tile
+    // count ends the loop): full = number written, empty = every consumer warp has read it.
+    uint64_t tile_full[2];
+    uint64_t tile_empty[2];
+    int tile_id[2];
     uint64_t full_k[kStages];
     uint64_t empty_k[kStages];
     uint64_t full_v[kStages];
@@ -229,6 +234,10 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
     TxBarrier::init(&ss.bar_q, 1);
     ClusterBarrier::init(&ss.empty_q, KT::kMmaWarps);
+    ClusterBarrier::init(&ss.tile_full[0], 1);
+    ClusterBarrier::init(&ss.tile_full[1], 1);
+    ClusterBarrier::init(&ss.tile_empty[0], KT::kMmaWarps);
+    ClusterBarrier::init(&ss.tile_empty[1], KT::kMmaWarps);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBarrier::init(&ss.full_k[s], 1);
@@ -249,7 +258,19 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       int stage = 0;
       uint32_t phase = 1;    // the producer waits on "empty" starting from the completed phase
       uint32_t q_phase = 1;  // likewise for "Q empty"
-      for (int t = int(blockIdx.x); t < num_tiles; t += int(gridDim.x)) {
+      int tile_slot = 0;
+      uint32_t tile_phase = 1;  // and for "tile number read"
+      // The next tile: static (every gridDim.x-th) or, with a tile counter, whichever is next in the launch
+      // order when this CTA's producer has issued the loads of its current tile (dynamic).
+      auto next_tile = [&](int t) {
+        return p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : t + int(gridDim.x);
+      };
+      for (int t = int(blockIdx.x);; t = next_tile(t)) {
+        ClusterBarrier::wait(&ss.tile_empty[tile_slot], tile_phase);
+        ss.tile_id[tile_slot] = t < num_tiles ? t : num_tiles;
+        ClusterBarrier::arrive(&ss.tile_full[tile_slot]);
+        if (++tile_slot == 2) { tile_slot = 0; tile_phase ^= 1; }
+        if (t >= num_tiles) break;
         FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
         if (!tile.template loads<kBM>()) continue;
         int const h_kv = tile.h / (p.hq / p.hkv);
@@ -316,8 +337,16 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     int stage = 0;
     uint32_t phase = 0;
     uint32_t q_phase = 0;
+    int tile_slot = 0;
+    uint32_t tile_phase = 0;
 
-    for (int t = int(blockIdx.x); t < num_tiles; t += int(gridDim.x)) {
+    for (;;) {
+      ClusterBarrier::wait(&ss.tile_full[tile_slot], tile_phase);
+      int const t = ss.tile_id[tile_slot];
+      __syncwarp();
+      if (lane == 0) ClusterBarrier::arrive(&ss.tile_empty[tile_slot]);
+      if (++tile_slot == 2) { tile_slot = 0; tile_phase ^= 1; }
+      if (t >= num_tiles) break;
       FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
       if (!tile.template has_rows<kBM>()) continue;  // beyond this sequence (varlen): nothing to write
       MaskInfo const& mi = tile.mi;
@@ -482,15 +511,23 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   int const num_tiles = num_hb * num_m;
   kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group);
   kp.p.num_m_blocks = num_m;
-  // Persistent over unmasked dense tiles, which all cost the same: one CTA per SM (one fits: the shared
-  // storage takes most of an SM). Tiles of different costs take one CTA per tile, which the hardware hands
-  // to SMs as they free up: varlen tiles (empty up to the longest sequence's) and causal ones (1 to num_m
-  // key blocks). A static assignment of causal tiles measured up to 16% faster where tiles are few per pair
-  // (B=16 H=16 S=1024) and 24% slower where they are many (B=1 H=16 S=16384: some CTAs draw mostly long
-  // tiles). opt.ctas forces a grid of that many CTAs (at most one per tile) for any problem.
-  bool const uniform_tiles = p.cu_seqlens_q == nullptr && !p.causal;
-  int ctas = uniform_tiles ? mla::current_device_info().sm_count : num_tiles;
+  // Persistent over dense tiles: one CTA per SM (one fits: the shared storage takes most of an SM).
+  // Unmasked tiles all cost the same and are assigned statically (CTA c: c, c + gridDim.x, ...). Causal
+  // tiles cost 1 to num_m key blocks: a static assignment measured up to 16% faster than one CTA per tile
+  // where tiles per pair are few (B=16 H=16 S=1024) and 24% slower where they are many (B=1 H=16 S=16384:
+  // some CTAs draw mostly long tiles), so they are assigned dynamically. Varlen tiles (from empty to the
+  // longest sequence's) take one CTA per tile, which the hardware hands to SMs as they free up; an empty
+  // one costs it almost nothing. opt.ctas forces a grid of that many CTAs (at most one per tile).
+  // Dense causal tiles run on a persistent grid too, assigned dynamically: each CTA takes the next tile
+  // of the launch order from a counter (p.tile_counter, zeroed by the caller) when its producer is done
+  // issuing the loads of its current one, as the hardware would start a new CTA on a free SM.
+  // opt.scheduler forces static (0) or dynamic (1) assignment.
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  bool const dynamic = opt.scheduler >= 0 ? opt.scheduler == 1 : (!varlen && p.causal);
+  int ctas = (!varlen || opt.scheduler == 1) ? mla::current_device_info().sm_count : num_tiles;
   if (opt.ctas > 0) ctas = opt.ctas;
+  if (dynamic && p.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (!dynamic) kp.p.tile_counter = nullptr;
   dim3 grid(unsigned(ctas < num_tiles ? ctas : num_tiles), 1, 1);
   dim3 block(KT::kThreads, 1, 1);
   auto kernel = fmha_fwd_sm90_kernel<KT>;

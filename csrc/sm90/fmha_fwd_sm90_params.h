@@ -33,6 +33,9 @@ struct FmhaFwdSm90Params {
   // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
   int l2_head_group;
   int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); tiles = batch * hq * this
+  // One int32, zero at launch (the host layer clears it on the stream): the dynamic tile scheduler's
+  // counter of tiles taken beyond the first gridDim.x; nullptr (set by the launcher) for static assignment.
+  int* tile_counter;
 
   float softmax_scale;
   bool causal;
@@ -49,6 +52,9 @@ struct FmhaFwdSm90Options {
   // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense unmasked inputs, one per
   // tile for varlen or causal ones), N > 0 = N (at most one per tile; tests run many tiles per CTA with it).
   int ctas = 0;
+  // Tile assignment of the persistent grid: -1 = the launcher's choice (dynamic for dense causal tiles,
+  // static otherwise), 0 = static, 1 = dynamic (with one CTA per SM unless ctas says otherwise).
+  int scheduler = -1;
 };
 
 // Launchers, one per head-dim pair (each in its own translation unit).

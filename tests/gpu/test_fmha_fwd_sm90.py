@@ -250,11 +250,13 @@ def test_l2_group_launch_order(ext, group):
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
-def test_persistent_grid_is_bit_identical(ext, ctas):
-    """The persistent grid: each CTA runs tiles blockIdx.x, + gridDim.x, ... with its K/V ring and Q barrier carried
-    from tile to tile. Forced to 1, 3 and 7 CTAs (many tiles each, with empty ones: rows that see no key under a
-    bottom-right mask, varlen M-blocks past a sequence's end, an empty sequence) it gives bit-identical outputs to
-    the default launch and passes the reference check, every dims pair and mask, dense (GQA) and varlen."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
+    """The persistent grid: each CTA runs a sequence of tiles (static: blockIdx.x, + gridDim.x, ...; dynamic: the
+    next one of a counter) with its K/V ring and Q barrier carried from tile to tile. Forced to 1, 3 and 7 CTAs
+    (many tiles each, with empty ones: rows that see no key under a bottom-right mask, varlen M-blocks past a
+    sequence's end, an empty sequence) it gives bit-identical outputs to the default launch and passes the
+    reference check, every dims pair and mask, dense (GQA) and varlen."""
     g = torch.Generator(device=DEV).manual_seed(5)
     for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
         scale = 1 / math.sqrt(d)
@@ -262,8 +264,8 @@ def test_persistent_grid_is_bit_identical(ext, ctas):
         k = _rand((2, 200, 2, d), torch.bfloat16, g)
         v = _rand((2, 200, 2, dv), torch.bfloat16, g)
         want = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br, options={"ctas": 0})
-        got = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br, options={"ctas": ctas},
-                     name=f"ctas {ctas} dense {d} {causal} {br}")
+        got = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br,
+                     options={"ctas": ctas, "dynamic": dynamic}, name=f"ctas {ctas} dense {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} dense {d} {causal} {br}"
         lq, lk = [129, 0, 300, 17, 1], [200, 5, 300, 640, 1]
         cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
@@ -273,7 +275,8 @@ def test_persistent_grid_is_bit_identical(ext, ctas):
         v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
         kw = dict(scale=scale, causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk))
         want = _check(ext, q, k, v, **kw, options={"ctas": 0})
-        got = _check(ext, q, k, v, **kw, options={"ctas": ctas}, name=f"ctas {ctas} varlen {d} {causal} {br}")
+        got = _check(ext, q, k, v, **kw, options={"ctas": ctas, "dynamic": dynamic},
+                     name=f"ctas {ctas} varlen {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} varlen {d} {causal} {br}"
 
 
