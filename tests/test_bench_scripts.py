@@ -143,7 +143,7 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     monkeypatch.setattr(mod, "load_family", lambda name: None)
     seen = []
 
-    def fake_fwd(ext, B, H, S, dims, l2_group):
+    def fake_fwd(ext, B, H, S, dims, l2_group, ctas=None, dynamic=None, causal_only=False):
         seen.append((B, H, S, tuple(dims), l2_group))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
