@@ -52,8 +52,9 @@ struct FmhaFwdSm90Options {
   // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense unmasked inputs, one per
   // tile for varlen or causal ones), N > 0 = N (at most one per tile; tests run many tiles per CTA with it).
   int ctas = 0;
-  // Tile assignment of the persistent grid: -1 = the launcher's choice (dynamic for dense causal tiles,
-  // static otherwise), 0 = static, 1 = dynamic (with one CTA per SM unless ctas says otherwise).
+  // Tile assignment: -1 = the launcher's choice (static; a persistent grid for dense unmasked problems,
+  // one CTA per tile otherwise), 0 = static with a persistent grid for dense causal problems too,
+  // 1 = dynamic on a persistent grid (one CTA per SM unless ctas says otherwise).
   int scheduler = -1;
 };
 
