@@ -247,6 +247,19 @@ def test_layer_built_under_meta_context_then_materialised():
     _same(m(x), ref(x))
 
 
+def _sync_warnings(fn) -> list[str]:
+    """The synchronisations fn() makes on the GPU: torch's sync debug mode warns at each one."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in record if "synchronizing" in str(w.message)]
+
+
 @pytest.mark.gpu
 def test_value_checks_synchronise_once_on_cuda(monkeypatch):
     """On a GPU the default public calls never synchronise (decode, attention_varlen forward and backward,
@@ -258,15 +271,7 @@ def test_value_checks_synchronise_once_on_cuda(monkeypatch):
     cq = _cu([4, 5], "cuda")
 
     def syncs(fn):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as record:
-                warnings.simplefilter("always")
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return sum("synchronizing" in str(w.message) for w in record)
+        return len(_sync_warnings(fn))
 
     monkeypatch.delenv("MLA_AUTOGRAD_CHECK_VALUES", raising=False)
     assert syncs(lambda: _validate.check_decode(q_nope, q_pe, ckv, kpe, table, lens, 0.2)) == 0
@@ -296,18 +301,7 @@ def test_layer_and_cache_do_not_synchronise_on_cuda():
                                  v_head_dim=128, device="cuda", dtype=torch.bfloat16)
     lens = [5, 70, 3]
     cu_host = _cu(lens)
-
-    def syncs(fn):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as record:
-                warnings.simplefilter("always")
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return [str(w.message) for w in record if "synchronizing" in str(w.message)]
-
+    syncs = _sync_warnings
     x = torch.randn(sum(lens), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def train_step():
