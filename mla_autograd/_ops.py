@@ -251,12 +251,8 @@ def decode_fast(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tens
                 or (schedule.batch, schedule.seqlen_q, schedule.num_heads) != q_nope.shape[:3]
                 or schedule.tensor.numel() == 0):
             return None
-        # the staleness checks of _validate.check_decode_schedule (a mismatch takes the checked path)
-        if schedule.seqlens_ptr is not None and schedule.seqlens_ptr != cache_seqlens.data_ptr():
-            return None
-        if (schedule.seqlens_version is not None and not cache_seqlens.is_inference()
-                and cache_seqlens._version != schedule.seqlens_version):
-            return None
+        if _validate.stale_schedule_message(schedule, cache_seqlens, "") is not None:
+            return None  # the checked path raises (or, under CUDA-graph capture, goes on) as it always does
         sched = schedule.tensor
     try:
         return ext.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, None, None,

@@ -420,13 +420,23 @@ def check_decode_schedule(schedule, q_nope, cache_seqlens) -> None:
         raise ValueError(f"schedule was computed on {schedule.device} but q_nope is on {q_nope.device}: {again}")
     if tracing_or_capturing(q_nope, cache_seqlens):
         return
+    stale = stale_schedule_message(schedule, cache_seqlens, again)
+    if stale is not None:
+        raise ValueError(stale)
+
+
+def stale_schedule_message(schedule, cache_seqlens, again: str) -> str | None:
+    """Why a DecodeSchedule does not describe cache_seqlens (another tensor, or this one modified in place
+    since: its data pointer and version counter; an inference tensor has no version counter), or None when
+    it does. `again` says what to do about it. Outside torch.compile."""
     version, ptr = seqlens_identity(cache_seqlens)
     if schedule.seqlens_ptr is not None and ptr != schedule.seqlens_ptr:
-        raise ValueError(f"schedule is stale: it was computed from a different cache_seqlens tensor; {again}")
+        return f"schedule is stale: it was computed from a different cache_seqlens tensor; {again}"
     if schedule.seqlens_version is not None and version is not None and version != schedule.seqlens_version:
-        raise ValueError(f"schedule is stale: cache_seqlens was modified in place since the schedule was computed "
-                         f"(version {schedule.seqlens_version} -> {version}); {again} (once per decode step, "
-                         f"after the lengths change)")
+        return (f"schedule is stale: cache_seqlens was modified in place since the schedule was computed "
+                f"(version {schedule.seqlens_version} -> {version}); {again} (once per decode step, "
+                f"after the lengths change)")
+    return None
 
 
 def check_inference_only(*tensors: torch.Tensor) -> None:

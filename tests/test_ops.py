@@ -192,6 +192,18 @@ def test_decode_fast_path_takes_only_memoised_routes_and_falls_back(monkeypatch)
     q = args[0].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="inference only"):
         M.decode(q, *args[1:], softmax_scale=0.3)
+    # a schedule for this cache_seqlens (the reference path needs none, so its tensor is empty: give it one)
+    sched = M.decode_schedule(args[5], seqlen_q=1, num_heads=2)
+    sched.tensor = torch.zeros(4, dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.all(M.decode(*args, softmax_scale=0.3, schedule=sched) == 7.0) and len(fake.calls) == 2
+        assert fake.calls[1][-1] is sched.tensor
+        args[5].add_(0)  # modified in place since the schedule: the checked path says it is stale
+        with pytest.raises(ValueError, match="modified in place"):
+            M.decode(*args, softmax_scale=0.3, schedule=sched)
+        with pytest.raises(ValueError, match="different cache_seqlens"):
+            M.decode(*args[:5], args[5].clone(), softmax_scale=0.3, schedule=sched)
+    assert len(fake.calls) == 2
     refusing = _FakeDecodeKernel(refuse=True)
     monkeypatch.setitem(_ops._decode_kernels, key, refusing)
     with torch.no_grad():
