@@ -9,7 +9,7 @@
 #   bash tools/gpu_check.sh --bench-only
 #   PYTEST_ARGS="-k sm90" TEST_BUDGET=300 bash tools/gpu_check.sh
 # Knobs (env): BUILD_FAMILIES, BUILD_BUDGET, SMOKE_BUDGET, SMOKE_GATE=1, SANITIZE=1 (+SANITIZE_BUDGET, SANITIZE_ARGS, SANITIZE_TOOLS), RACECHECK_PROBE=1, GPU_TEST_FILES,
-# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1, BWD_BENCH=1, HOST_PROFILE=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
+# TEST_BUDGET, FILE_SHARE, PYTEST_ARGS, FWD_BENCH=1 (+FWD_ARGS), BWD_BENCH=1, HOST_PROFILE=1, ATTN_BUDGET, ATTN_ARGS, DECODE_BENCH=1 (+DECODE_BUDGET, DECODE_ARGS),
 # LAYER_BUDGET, LAYER_ARGS, PROFILE_ARGS (+PROFILE_BUDGET), EXAMPLE_BUDGET, EXAMPLE_STEPS. A budget of 0 skips that phase.
 # CUTLASS_WHEEL: an nvidia-cutlass wheel file to install (into the work folder) when the package is missing.
 set -uo pipefail
@@ -111,7 +111,7 @@ if [ "$MODE" != "--tests-only" ]; then
     say "bwd kernel bench rc=$?"; grep -E "^B=" "$WORK/bench_bwd.log" | tee -a "$summary"
   fi
   if [ -n "${FWD_BENCH:-}" ]; then  # the forward kernel alone, beside cuDNN
-    timeout 120 python3 bench/bench_kernels.py fwd >"$WORK/bench_fwd.log" 2>&1
+    timeout 120 python3 bench/bench_kernels.py fwd ${FWD_ARGS:-} >"$WORK/bench_fwd.log" 2>&1
     say "fwd kernel bench rc=$?"; grep -E "^B=|TF/s" "$WORK/bench_fwd.log" | tee -a "$summary"
   fi
   if [ "${ATTN_BUDGET:-240}" -gt 0 ]; then

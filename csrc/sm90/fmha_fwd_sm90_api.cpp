@@ -169,11 +169,10 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
   }
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  // The dynamic tile scheduler's counter, zeroed on the stream before the kernel, where the options ask for
-  // dynamic tile assignment (see run_fmha_fwd_sm90_impl).
+  // The dynamic tile scheduler's counter, zeroed on the stream before the kernel.
   at::Tensor tile_counter;
   cudaError_t err = cudaSuccess;
-  if (opt.scheduler == 1) {
+  if (fmha_fwd_sm90_dynamic_tiles(p, opt)) {
     tile_counter = at::empty({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
     err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);

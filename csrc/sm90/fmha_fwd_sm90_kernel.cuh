@@ -1,7 +1,9 @@
 // SM90 (Hopper) fused attention forward: warp-specialized TMA + wgmma kernel.
 //
-// CTA = 1 producer warpgroup (warp 0 issues TMA) + kNWG consumer warpgroups (64 query rows each).
-//   Producer: Q once (own mbarrier), then per key block (last block first) K(n) and V(n) into a
+// CTA = 1 producer warpgroup (warp 0 loads by TMA, warp 1 schedules tiles) + kNWG consumer warpgroups
+// (64 query rows each).
+//   Scheduler: the coordinates of each tile the CTA runs (fmha_fwd_sm90_scheduler.cuh) into a two-slot ring.
+//   Loader: per tile, Q (own mbarrier), then per key block (last block first) K(n) and V(n) into a
 //             kStages-deep ring of full/empty mbarriers (separate K and V barriers).
 //   Consumers: S = Q K^T (SS wgmma, Q and K in smem), online softmax in exp2 with the scale folded,
 //             P converted in registers, O += P V (RS wgmma, V read MN-major from smem).
@@ -9,12 +11,11 @@
 //             the softmax of block j runs while PV(j-1) is in flight.
 //   Epilogue: O and LSE written from registers with row predicates (no TMA store: varlen tiles may
 //             cross a sequence end; the caller provides no padding).
-// Tiles: (head, batch) x M-block, in an L2-grouped order with the longest M-blocks first under a causal mask.
-// Persistent: each CTA runs tiles blockIdx.x, blockIdx.x + gridDim.x, ...; its K/V ring and Q barrier carry
-// over from tile to tile, so the producer loads the next tile's Q and first K/V blocks while the consumers
-// finish this tile's last blocks and its epilogue (a tile's fixed cost: fill, drain, epilogue, CTA start).
-// The launcher picks the grid: one CTA per SM for dense unmasked inputs, one CTA per tile where tiles
-// differ in cost (varlen, causal), which the hardware then assigns as SMs free up.
+// Persistent: one CTA per SM runs tile after tile; its K/V ring and Q barrier carry over from tile to tile,
+// so the loader fetches the next tile's Q and first K/V blocks while the consumers finish this tile's last
+// blocks and its epilogue (a tile's fixed cost: fill, drain, epilogue, CTA start). Which tiles, in which
+// order, and how they are assigned (statically, or dynamically where tiles differ in cost): the scheduler's
+// header and run_fmha_fwd_sm90_impl below.
 #pragma once
 
 // wgmma N = 176 (the 128/128 unmasked key block) is one of CuTe's "extended" shapes; without this the
@@ -39,6 +40,7 @@
 
 #include "sm90/fmha_fwd_sm90_config.h"
 #include "sm90/fmha_fwd_sm90_params.h"
+#include "sm90/fmha_fwd_sm90_scheduler.cuh"
 #include "sm90/sm90_attn_common.cuh"
 
 namespace mla_sm90 {
@@ -106,11 +108,13 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
     alignas(16) uint64_t bar_q;
     uint64_t empty_q;  // the consumers' last QK of a tile has read Q: the next tile's Q may be loaded
-    // The producer hands each tile number to the consumers through a two-slot ring (a number >= the tile
-    // count ends the loop): full = number written, empty = every consumer warp has read it.
+    // The scheduler warp hands each tile's coordinates to the loader and the consumers through a two-slot
+    // ring (h < 0 ends the loop): full = coordinates written, empty = the loader and every consumer warp
+    // have read them.
     uint64_t tile_full[2];
     uint64_t tile_empty[2];
-    int tile_id[2];
+    uint64_t tile_wanted;  // the loader has issued its current tile's loads (or has none to issue)
+    FwdTileCoord tile[2];
     uint64_t full_k[kStages];
     uint64_t empty_k[kStages];
     uint64_t full_v[kStages];
@@ -172,32 +176,6 @@ struct OnlineSoftmax {
 // (a single group of all pairs) the H=128, S=4096 causal 192/128 forward ran at 87% of DRAM bandwidth
 // (ncu, H200): resident CTAs of ~130 different heads, each streaming its own K/V.
 
-// One tile of the forward: its (head, batch, M-block), the sequence's rows and the key blocks it visits.
-struct FwdTile {
-  int h, b, m_block;
-  SeqInfo si;
-  MaskInfo mi;
-  int n_min, n_max;
-
-  // Tile t of the launch order (uniform over the CTA).
-  template <int kBM, int kBN>
-  CUTE_DEVICE static FwdTile at(FmhaFwdSm90Params const& p, int t, int num_hb, int num_m) {
-    GroupedTile const tc = grouped_tile(t, num_hb, num_m, p.l2_head_group);
-    int const h = tc.pair % p.hq, b = tc.pair / p.hq;
-    SeqInfo si(b, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k, p.cu_seqlens_q, p.cu_seqlens_k);
-    MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
-    FwdTile tile{h, b, num_m - 1 - tc.rank, si, mi, 0, 0};
-    mi.template n_block_range<kBM, kBN>(tile.m_block, tile.n_min, tile.n_max);
-    return tile;
-  }
-  // Rows of this sequence in the tile (varlen: an M-block past a shorter sequence's end has none).
-  template <int kBM>
-  CUTE_DEVICE bool has_rows() const { return m_block * kBM < si.seqlen_q; }
-  // Q, K and V are loaded (rows that see at least one key block); else the tile only writes O = 0, LSE = -inf.
-  template <int kBM>
-  CUTE_DEVICE bool loads() const { return has_rows<kBM>() && n_max > n_min; }
-};
-
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, 1)
 fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
@@ -221,7 +199,6 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 
   int const num_hb = p.hq * p.batch;
   int const num_m = p.num_m_blocks;
-  int const num_tiles = num_hb * num_m;  // < 2^31 (checked by the launcher)
   bool const varlen = p.cu_seqlens_q != nullptr;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
@@ -236,8 +213,9 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     ClusterBarrier::init(&ss.empty_q, KT::kMmaWarps);
     ClusterBarrier::init(&ss.tile_full[0], 1);
     ClusterBarrier::init(&ss.tile_full[1], 1);
-    ClusterBarrier::init(&ss.tile_empty[0], KT::kMmaWarps);
-    ClusterBarrier::init(&ss.tile_empty[1], KT::kMmaWarps);
+    ClusterBarrier::init(&ss.tile_empty[0], KT::kMmaWarps + 1);  // every consumer warp and the loader
+    ClusterBarrier::init(&ss.tile_empty[1], KT::kMmaWarps + 1);
+    ClusterBarrier::init(&ss.tile_wanted, 1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBarrier::init(&ss.full_k[s], 1);
@@ -252,27 +230,50 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
   if (wg_idx == 0) {
     // ================================ producer ================================
     cutlass::arch::warpgroup_reg_dealloc<KT::Cfg::kProducerRegs>();
-    if (warp_idx == 0 && cute::elect_one_sync()) {
-      // K(n), V(n) per block, one stage counter for both rings (block n uses the same stage in both); the
-      // rings and the Q barrier's phase run on from one tile to the next.
+    if (warp_idx == 1) {
+      // Scheduler warp: tile coordinates into the two-slot ring, read by the loader and every consumer warp
+      // (FwdTileScheduler's decode and next are warp-collective).
+      FwdTileScheduler<kBM> sched(p, num_hb, num_m);
+      int t = sched.first();
+      for (uint32_t j = 0;; ++j) {
+        if (j > 0) {
+          // Tile j is taken when the loader has issued tile j - 1's loads, not earlier: under dynamic
+          // assignment a tile taken a tile ahead waits behind this CTA's current one while another SM may
+          // idle (at B=1 H=16 S=16384 causal, taking tiles as their slot freed measured 9% slower than one CTA
+          // per tile).
+          if (lane == 0) ClusterBarrier::wait(&ss.tile_wanted, (j - 1) & 1u);
+          __syncwarp();
+          t = sched.next(t);
+        }
+        FwdTileCoord const coord = sched.decode(t);
+        int const slot = int(j & 1u);
+        if (lane == 0) {
+          ClusterBarrier::wait(&ss.tile_empty[slot], ((j >> 1) & 1u) ^ 1u);  // from the completed phase
+          ss.tile[slot] = coord;
+          ClusterBarrier::arrive(&ss.tile_full[slot]);
+        }
+        __syncwarp();
+        if (coord.h < 0) break;
+      }
+    } else if (warp_idx == 0 && cute::elect_one_sync()) {
+      // Loader: K(n), V(n) per block, one stage counter for both rings (block n uses the same stage in both);
+      // the rings and the Q barrier's phase run on from one tile to the next.
       int stage = 0;
       uint32_t phase = 1;    // the producer waits on "empty" starting from the completed phase
       uint32_t q_phase = 1;  // likewise for "Q empty"
-      int tile_slot = 0;
-      uint32_t tile_phase = 1;  // and for "tile number read"
-      // The next tile: static (every gridDim.x-th) or, with a tile counter, whichever is next in the launch
-      // order when this CTA's producer has issued the loads of its current tile (dynamic).
-      auto next_tile = [&](int t) {
-        return p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : t + int(gridDim.x);
-      };
-      for (int t = int(blockIdx.x);; t = next_tile(t)) {
-        ClusterBarrier::wait(&ss.tile_empty[tile_slot], tile_phase);
-        ss.tile_id[tile_slot] = t < num_tiles ? t : num_tiles;
-        ClusterBarrier::arrive(&ss.tile_full[tile_slot]);
-        if (++tile_slot == 2) { tile_slot = 0; tile_phase ^= 1; }
-        if (t >= num_tiles) break;
-        FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
-        if (!tile.template loads<kBM>()) continue;
+      int slot = 0;
+      uint32_t slot_phase = 0;
+      for (;;) {
+        ClusterBarrier::wait(&ss.tile_full[slot], slot_phase);
+        FwdTileCoord const coord = ss.tile[slot];
+        ClusterBarrier::arrive(&ss.tile_empty[slot]);
+        if (++slot == 2) { slot = 0; slot_phase ^= 1; }
+        if (coord.h < 0) break;
+        FwdTile const tile = FwdTile::at<kBM, kBN>(p, coord);
+        if (!tile.template loads<kBM>()) {
+          ClusterBarrier::arrive(&ss.tile_wanted);
+          continue;
+        }
         int const h_kv = tile.h / (p.hq / p.hkv);
         int const b_tma_q = p.cu_seqlens_q != nullptr ? 0 : tile.b;
         int const b_tma_k = p.cu_seqlens_k != nullptr ? 0 : tile.b;
@@ -295,6 +296,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
         copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
 
+        CUTE_NO_UNROLL
         for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
           ClusterBarrier::wait(&ss.empty_k[stage], phase);
           TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
@@ -304,6 +306,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
           copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
           if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
+        ClusterBarrier::arrive(&ss.tile_wanted);  // every load of this tile is issued: the next tile, please
       }
     }
   } else {
@@ -334,20 +337,20 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       if (lane == 0) ClusterBarrier::arrive(bar);
     };
     // The K/V rings and the Q barrier's phase run on from one tile to the next (as the producer's do).
+    // Tile n of this CTA is in ring slot n % 2 with phase n / 2 % 2 (one counter: the consumers' loop state
+    // is at the register limit).
     int stage = 0;
     uint32_t phase = 0;
     uint32_t q_phase = 0;
-    int tile_slot = 0;
-    uint32_t tile_phase = 0;
 
-    for (;;) {
-      ClusterBarrier::wait(&ss.tile_full[tile_slot], tile_phase);
-      int const t = ss.tile_id[tile_slot];
+    for (uint32_t tiles_read = 0;; ++tiles_read) {
+      int const tile_slot = int(tiles_read & 1u);
+      ClusterBarrier::wait(&ss.tile_full[tile_slot], (tiles_read >> 1) & 1u);
+      FwdTileCoord const coord = ss.tile[tile_slot];
       __syncwarp();
       if (lane == 0) ClusterBarrier::arrive(&ss.tile_empty[tile_slot]);
-      if (++tile_slot == 2) { tile_slot = 0; tile_phase ^= 1; }
-      if (t >= num_tiles) break;
-      FwdTile const tile = FwdTile::at<kBM, kBN>(p, t, num_hb, num_m);
+      if (coord.h < 0) break;
+      FwdTile const tile = FwdTile::at<kBM, kBN>(p, coord);
       if (!tile.template has_rows<kBM>()) continue;  // beyond this sequence (varlen): nothing to write
       MaskInfo const& mi = tile.mi;
       int const m_block = tile.m_block, n_min = tile.n_min, n_max = tile.n_max;
@@ -511,23 +514,17 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   int const num_tiles = num_hb * num_m;
   kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group);
   kp.p.num_m_blocks = num_m;
-  // Persistent over unmasked dense tiles, which all cost the same: one CTA per SM (one fits: the shared
-  // storage takes most of an SM), tiles assigned statically (CTA c: c, c + gridDim.x, ...). Causal tiles
-  // cost 1 to num_m key blocks and varlen ones anything from nothing to the longest sequence's: one CTA
-  // per tile, which the hardware hands to SMs as they free up. A static assignment of causal tiles
-  // measured up to 16% faster than that where tiles per pair are few (B=16 H=16 S=1024) and 24% slower
-  // where they are many (B=1 H=16 S=16384: some CTAs draw mostly long tiles). The dynamic assignment
-  // (opt.scheduler = 1: each CTA takes the next tile of the launch order from p.tile_counter, zeroed by
-  // the caller, when its producer has issued the loads of its current one) passes the tests but has not
-  // been timed, so no default uses it. opt.scheduler = 0 forces the static persistent grid on dense
-  // causal problems too; opt.ctas forces a grid of that many CTAs (at most one per tile).
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  bool const dynamic = opt.scheduler == 1;
-  bool const persistent = opt.scheduler == 1 || (!varlen && (!p.causal || opt.scheduler == 0));
-  int ctas = persistent ? mla::current_device_info().sm_count : num_tiles;
-  if (opt.ctas > 0) ctas = opt.ctas;
+  // A persistent grid, one CTA per SM (one fits: the shared storage takes most of an SM). Unmasked dense
+  // tiles all cost the same and are assigned statically (CTA c: c, c + gridDim.x, ...). Causal tiles cost 1
+  // to num_m key blocks and varlen ones up to the longest sequence's: they are assigned dynamically
+  // (fmha_fwd_sm90_scheduler.cuh), which measured 3-18% faster than one CTA per tile on causal problems at
+  // S <= 4096 and level at S = 16384, where a static assignment was 24% slower (some CTAs draw mostly long
+  // tiles). Varlen tiles exist only as a list of the sequences' own M-blocks, so varlen is always
+  // persistent. opt.ctas forces a grid of that many CTAs, opt.scheduler the assignment.
+  bool const dynamic = fmha_fwd_sm90_dynamic_tiles(p, opt);
   if (dynamic && p.tile_counter == nullptr) return cudaErrorInvalidValue;
   if (!dynamic) kp.p.tile_counter = nullptr;
+  int const ctas = opt.ctas > 0 ? opt.ctas : mla::current_device_info().sm_count;
   dim3 grid(unsigned(ctas < num_tiles ? ctas : num_tiles), 1, 1);
   dim3 block(KT::kThreads, 1, 1);
   auto kernel = fmha_fwd_sm90_kernel<KT>;

@@ -33,8 +33,8 @@ struct FmhaFwdSm90Params {
   // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
   int l2_head_group;
   int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); tiles = batch * hq * this
-  // One int32, zero at launch (the host layer clears it on the stream): the dynamic tile scheduler's
-  // counter of tiles taken beyond the first gridDim.x; nullptr (set by the launcher) for static assignment.
+  // One int32, zero at launch (the host layer clears it on the stream where fmha_fwd_sm90_dynamic_tiles):
+  // the dynamic tile scheduler's count of tiles taken beyond the first gridDim.x; nullptr otherwise.
   int* tile_counter;
 
   float softmax_scale;
@@ -49,14 +49,20 @@ struct FmhaFwdSm90Options {
   // (head, batch) pairs per L2 launch group: negative = the launcher's choice (l2_head_group in
   // fmha_fwd_sm90_kernel.cuh), 0 = every pair interleaved, N > 0 = N (at most all pairs).
   int l2_head_group = -1;
-  // CTAs of the persistent grid: 0 = the launcher's choice (one per SM for dense unmasked inputs, one per
-  // tile for varlen or causal ones), N > 0 = N (at most one per tile; tests run many tiles per CTA with it).
+  // CTAs of the persistent grid: 0 = one per SM, N > 0 = N (at most one per tile: a grid of at least the
+  // tile count with static assignment runs one tile per CTA; tests run many tiles per CTA with small N).
   int ctas = 0;
-  // Tile assignment: -1 = the launcher's choice (static; a persistent grid for dense unmasked problems,
-  // one CTA per tile otherwise), 0 = static with a persistent grid for dense causal problems too,
-  // 1 = dynamic on a persistent grid (one CTA per SM unless ctas says otherwise).
+  // Tile assignment: -1 = the launcher's choice (fmha_fwd_sm90_dynamic_tiles), 0 = static, 1 = dynamic.
   int scheduler = -1;
 };
+
+// Whether a launch assigns tiles dynamically, from p.tile_counter: where the options say so, else where
+// tiles differ in cost (a causal mask, varlen). Read by the host layer (which then zeroes the counter) and
+// by the launcher.
+inline bool fmha_fwd_sm90_dynamic_tiles(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt) {
+  if (opt.scheduler >= 0) return opt.scheduler == 1;
+  return p.causal || p.cu_seqlens_q != nullptr;
+}
 
 // Launchers, one per head-dim pair (each in its own translation unit).
 cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import sys
 
 import pytest
@@ -238,7 +239,8 @@ def test_l2_group_launch_order(ext, group):
         v = _rand((2, 517, 2, dv), torch.bfloat16, g)
         _check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, options=options,
                name=f"l2 {group} dense {d} {causal} {br}")
-        # varlen: 4 sequences (one empty) x 2 heads = 8 pairs, M-blocks past a sequence's end exit
+        # varlen: 4 sequences (one empty) x 2 heads (varlen tiles are a list of the sequences' own M-blocks,
+        # which the grouping does not reorder: the same results under every group size)
         lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
         cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
         cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
@@ -254,8 +256,8 @@ def test_l2_group_launch_order(ext, group):
 def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
     """The persistent grid: each CTA runs a sequence of tiles (static: blockIdx.x, + gridDim.x, ...; dynamic: the
     next one of a counter) with its K/V ring and Q barrier carried from tile to tile. Forced to 1, 3 and 7 CTAs
-    (many tiles each, with empty ones: rows that see no key under a bottom-right mask, varlen M-blocks past a
-    sequence's end, an empty sequence) it gives bit-identical outputs to the default launch and passes the
+    (many tiles each, with empty ones: rows that see no key under a bottom-right mask, a sequence with no
+    queries) it gives bit-identical outputs to the default launch and passes the
     reference check, every dims pair and mask, dense (GQA) and varlen."""
     g = torch.Generator(device=DEV).manual_seed(5)
     for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
@@ -278,6 +280,33 @@ def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
         got = _check(ext, q, k, v, **kw, options={"ctas": ctas, "dynamic": dynamic},
                      name=f"ctas {ctas} varlen {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} varlen {d} {causal} {br}"
+
+
+@pytest.mark.parametrize("grid", [{"ctas": 1}, {"ctas": 5, "dynamic": False}, {"ctas": 5, "dynamic": True},
+                                  {"ctas": 1 << 30, "dynamic": False}, {}],
+                         ids=["1cta", "5static", "5dynamic", "percta", "default"])
+def test_varlen_tile_list_over_many_sequences(ext, grid):
+    """Varlen tiles are numbered over the sequences' own M-blocks (no tile past a sequence's end), decoded by a
+    warp-wide scan 32 sequences at a time that each CTA resumes where it stopped. 75 sequences (three scan
+    chunks) of random lengths with runs of empty ones, one with queries but no keys, the longest in the last
+    chunk, 3 query heads over 1 K/V head, every dims pair and mask: each grid (one CTA, five static or dynamic,
+    one per tile, the default) passes the reference check and gives the default's bits."""
+    rng = random.Random(11)
+    lq = [rng.choice([0, 0, 1, 63, 64, 65, 127, 128, 129, rng.randint(1, 400)]) for _ in range(74)] + [517]
+    lk = [x if rng.random() < 0.7 else rng.randint(0, 300) for x in lq]
+    lq[5], lk[5] = 70, 0  # queries with no key: O = 0, LSE = -inf, no load
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    g = torch.Generator(device=DEV).manual_seed(12)
+    for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+        q = _rand((sum(lq), 3, d), torch.bfloat16, g)
+        k = _rand((sum(lk), 1, d), torch.bfloat16, g)
+        v = _rand((sum(lk), 1, dv), torch.bfloat16, g)
+        kw = dict(scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k, msq=max(lq),
+                  msk=max(lk))
+        want = _check(ext, q, k, v, **kw)
+        got = _check(ext, q, k, v, **kw, options=grid, name=f"tile list {grid} {d} {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"tile list {grid} {d} {causal} {br}"
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
