@@ -219,7 +219,8 @@ _decode_kernels: dict = {}  # route key (_decode_route_key) -> the extension mod
 
 
 def _decode_route_key(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> tuple:
-    """What decode's route depends on (decode_call's fields) plus MLA_AUTOGRAD_BACKEND."""
+    """What decode's route depends on (ROUTE_FIELDS["decode"], read off the tensors without building a Call)
+    plus MLA_AUTOGRAD_BACKEND."""
     return (q_nope.device, q_nope.dtype, q_nope.shape[1:], q_pe.shape[-1], ckv_cache.shape[1],
             os.environ.get("MLA_AUTOGRAD_BACKEND"))
 
