@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import threading
@@ -25,13 +26,26 @@ import torch
 from . import _build
 from ._kernels import FAMILIES
 
-__all__ = ["Call", "Route", "Decision", "TABLE", "select", "explain_call"]
+__all__ = ["Call", "Route", "Decision", "TABLE", "ROUTE_FIELDS", "select", "explain_call"]
+
+# The Call fields the rows of each op read: every kernel row (Route.rejects) reads device (through
+# Call.capability / smem_per_block), dtype and dims; the rest are its check's. A decision is a function of
+# these alone, so select's memo is keyed on them (Call.route_key) and does not grow with anything else a
+# call carries. tests/test_dispatch.py fails if a row reads a field missing here, or if one here is unread.
+_EVERY_KERNEL_ROW = ("device", "dtype", "dims")
+ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
+    "attn_fwd": _EVERY_KERNEL_ROW + ("out_rows_over_int32",),
+    "attn_bwd": _EVERY_KERNEL_ROW + ("deterministic", "causal", "bottom_right", "seqlens_equal"),
+    "decode": _EVERY_KERNEL_ROW + ("num_heads", "seqlen_q", "page_size"),
+}
+_ROUTE_GETTERS = {op: operator.attrgetter(*fields) for op, fields in ROUTE_FIELDS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a dispatch decision depends on: metadata only (no tensor values are read), and only what some
-    row of the table reads, so the memo of decisions stays small (no sequence lengths or token counts)."""
+    """What a dispatch decision is made from: metadata only (no tensor values are read). The rows of an op
+    read the fields ROUTE_FIELDS names for it; the others describe the call (varlen names the kind of call
+    in the fallback warning)."""
 
     op: str                       # "attn_fwd", "attn_bwd" or "decode"
     device: torch.device
@@ -51,13 +65,16 @@ class Call:
     # attention: max_seqlen_q * Hq * Dv >= 2^31 (an int32 offset in the SM100 forward's epilogue overflows)
     out_rows_over_int32: bool = False
 
+    def route_key(self) -> tuple:
+        """The op and the fields its rows read (ROUTE_FIELDS): calls with equal keys get the same decision."""
+        return self.op, _ROUTE_GETTERS[self.op](self)
+
     @property
     def capability(self) -> tuple[int, int] | None:
         if self.device.type != "cuda":
             return None
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         return _capability(index)
-
 
     @property
     def smem_per_block(self) -> int:
@@ -231,7 +248,7 @@ def explain_call(call: Call) -> Decision:
 
 # Reasons already announced (the set of row-rejection reasons, without the op, dtype or dims).
 _warned: set[tuple[str, ...]] = set()
-_decisions: dict = {}  # (call, MLA_AUTOGRAD_BACKEND) -> (decision, its reason key, None for a kernel)
+_decisions: dict = {}  # (call.route_key(), MLA_AUTOGRAD_BACKEND) -> (decision, its reason key, None for a kernel)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -304,10 +321,10 @@ def _warn_fallback(call: Call, msg: str) -> None:
 
 
 def select(call: Call) -> Decision:
-    """Choose the backend for a call (memoised: this runs on every op call); announce reference
-    fallbacks once per reason (the reasons the kernel rows give, whatever the op, dtype or dims), at the
-    caller's line outside mla_autograd and torch."""
-    key = (call, os.environ.get("MLA_AUTOGRAD_BACKEND"))
+    """Choose the backend for a call (memoised on Call.route_key: this runs on every op call); announce
+    reference fallbacks once per reason (the reasons the kernel rows give, whatever the op, dtype or dims),
+    at the caller's line outside mla_autograd and torch."""
+    key = (call.route_key(), os.environ.get("MLA_AUTOGRAD_BACKEND"))
     entry = _decisions.get(key)
     if entry is None:
         d = explain_call(call)

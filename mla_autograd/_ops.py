@@ -3,7 +3,8 @@
 ``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_decode`` and
 ``mla_autograd::mla_decode_schedule`` are opaque to torch.compile (no graph breaks): their fake
 implementations give output shapes, and at run time they allocate outputs, consult the dispatch table
-and call the chosen backend (a kernel family or the reference path). Inputs here are already validated
+and call the chosen backend (a kernel family or the reference path). attn_fwd carries its autograd
+(backward: attn_bwd; see `attention`, the entry of the functional API). Inputs here are already validated
 by the functional API.
 """
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _build, _validate, reference
+from . import _build, _dispatch, _validate, reference
 from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
 from .schedule import DecodeSchedule
 
-__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention_call", "decode_call",
-           "schedule_numel"]
+__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
+           "decode_call", "schedule_numel"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -113,7 +114,8 @@ def _check_values_before_kernel(family: str, q: Tensor, k: Tensor, cu_seqlens_q:
 
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-             bottom_right: bool) -> tuple[Tensor, Tensor]:
+             bottom_right: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    # deterministic is the backward's (saved for it by the op's autograd); the forward is deterministic
     varlen = cu_seqlens_q is not None
     if _empty_problem(q, k):
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
@@ -138,7 +140,8 @@ attn_fwd = torch.library.custom_op("mla_autograd::attn_fwd", mutates_args=())(_a
 
 
 @attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
+      deterministic=False):
     varlen = cu_seqlens_q is not None
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = q.new_empty(_lse_shape(q, varlen), dtype=_lse_dtype(q))
@@ -182,6 +185,78 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# ---- autograd: attn_fwd's backward is attn_bwd ----
+# Registered on the op itself: torch.compile and export trace attn_fwd as one differentiable op, given any
+# tensor for several of its inputs (self-attention's attention(x, x, x), one cu_seqlens for both sides).
+# Plain eager tensors take _EagerAttnFwd instead: the same body and formulas in an autograd.Function, since
+# the custom-op dispatcher's autograd path adds about 15% to the host time of a small eager forward+backward.
+# Saved: q, k, v, out and the float32 LSE (never the attention matrix); attn_bwd recomputes P. lse is not
+# differentiable, as in FlashAttention.
+
+def _attn_fwd_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = args  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic
+    ctx.mark_non_differentiable(lse)
+    # Runs within the forward's call, only when autograd records it: the caller's line outside mla_autograd
+    # and torch, where a reference-path warning of the backward points when the autograd engine runs it on
+    # a thread with no Python caller. Not walked while torch.compile traces.
+    ctx.call_site = None if torch.compiler.is_compiling() else _dispatch.call_site()
+
+
+def _attn_fwd_backward(ctx, dout: Tensor, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
+    bwd = _attn_bwd if eager_direct(dout, q, k, v) and not torch.is_grad_enabled() else attn_bwd
+    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
+    try:
+        grads = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
+    finally:
+        _dispatch.set_backward_site(None)
+    return (*grads, *(None,) * (len(ctx.args) + 2))
+
+
+attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("mla_autograd.attention does not support double backward (differentiating "
+                       "gradients taken with create_graph=True through the attention op)")
+
+
+# Backward-of-backward lands on attn_bwd: give it a formula that says so plainly.
+attn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class _EagerAttnFwd(torch.autograd.Function):
+    """attn_fwd with its registered autograd, for plain eager tensors: the op's body and formulas without the
+    custom-op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attn_fwd(*inputs)
+        _attn_fwd_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_attn_fwd_backward)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
+              deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attn_fwd on validated inputs, differentiable through attn_bwd: the op under torch.compile
+    and for tensor subclasses; for plain eager tensors _EagerAttnFwd where autograd records the call, else the
+    op's body (eager_direct)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
+            deterministic)
+    if not eager_direct(q, k, v):
+        return attn_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttnFwd.apply(*args)
+    return _attn_fwd(*args)
+
+
 def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
                cache_seqlens: Tensor, softmax_scale: float, causal: bool,
                schedule: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -219,7 +294,8 @@ _decode_kernels: dict = {}  # route key (_decode_route_key) -> the extension mod
 
 
 def _decode_route_key(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> tuple:
-    """What decode's route depends on (decode_call's fields) plus MLA_AUTOGRAD_BACKEND."""
+    """What decode's route depends on (ROUTE_FIELDS["decode"], read off the tensors without building a Call)
+    plus MLA_AUTOGRAD_BACKEND."""
     return (q_nope.device, q_nope.dtype, q_nope.shape[1:], q_pe.shape[-1], ckv_cache.shape[1],
             os.environ.get("MLA_AUTOGRAD_BACKEND"))
 

@@ -229,7 +229,7 @@ def _fwd_op(*tensors):
 
 
 def _bwd_op(*tensors):
-    # with create_graph=True the op runs (and raises on double backward), as in FusedAttentionFunction
+    # with create_graph=True the op runs (and raises on double backward), as in attn_fwd's own backward
     direct = _ops.eager_direct(*tensors) and not torch.is_grad_enabled()
     return _ops._attn_bwd if direct else torch.ops.mla_autograd.attn_bwd
 

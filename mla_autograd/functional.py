@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from . import _ops, _validate as V
-from ._autograd import FusedAttentionFunction, distinct_inputs, record_call_site
 from ._dispatch import explain_call
 from ._ops import attention_call, decode_call
 from .schedule import DecodeSchedule
@@ -45,8 +44,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, causal_a
     V.check_attention(q, k, v)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
-    out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v), None, None, q.shape[1], k.shape[1], scale,
-                                            bool(causal), bottom_right, bool(deterministic), record_call_site(q, k, v))
+    out, lse = _ops.attention(q, k, v, None, None, q.shape[1], k.shape[1], scale, bool(causal), bottom_right,
+                              bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -91,9 +90,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     V.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
     scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
     bottom_right = V.causal_bottom_right(causal_align)
-    out, lse = FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k),
-                                            int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), bottom_right,
-                                            bool(deterministic), record_call_site(q, k, v))
+    out, lse = _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                              bool(causal), bottom_right, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -126,16 +124,14 @@ def _mla_dispatch(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
     """The one place where mla_attention / mla_attention_varlen choose how validated parts reach a backend.
 
     Every backend (kernels and reference) takes q and k whole today, so this builds them with
-    _concat_boundary (path MLA_PATH) and runs the attention autograd Function on the result, on every
+    _concat_boundary (path MLA_PATH) and runs the differentiable attention op on the result, on every
     device and dtype; the attention dispatch table then picks the backend for (Dn + Dr, Dv) as it does for
     `attention`. A backend that reads q_nope/q_pe/k_nope/k_pe in place replaces the concatenation here
-    (and says so in MLA_PATH / explain_mla). Returns (out, lse) as FusedAttentionFunction does.
+    (and says so in MLA_PATH / explain_mla). Returns (out, lse) as _ops.attention does.
     """
     q, k = _concat_boundary(q_nope, q_pe, k_nope, k_pe)
-    # q and k are fresh tensors; v or one cu_seqlens for both sides may still alias (see distinct_inputs)
-    return FusedAttentionFunction.apply(*distinct_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
-                                        max_seqlen_k, softmax_scale, causal, bottom_right, deterministic,
-                                        record_call_site(q, k, v))
+    return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          bottom_right, deterministic)
 
 
 def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,

@@ -244,6 +244,86 @@ def test_dispatch_memo_does_not_grow_with_lengths(fake_gpu, monkeypatch):
     assert len(_dispatch._decisions) == 1
 
 
+# Values for every Call field that reach each branch of the rows (capabilities, dtypes, dims served or not,
+# each check's conditions on both sides).
+_FIELD_VALUES = dict(
+    device=(torch.device("cuda", 0), torch.device("cpu")), dtype=(torch.bfloat16, torch.float32),
+    dims=((192, 128), (128, 128), (64, 64), (512, 64), (96, 96)), causal=(False, True), bottom_right=(False, True),
+    varlen=(False, True), num_heads=(16, 128, 12), num_kv_heads=(16, 1), seqlen_q=(1, 9), page_size=(64, 48),
+    deterministic=(False, True), seqlens_equal=(False, True), out_rows_over_int32=(False, True))
+
+
+def test_field_values_cover_every_call_field():
+    assert set(_FIELD_VALUES) == {f.name for f in dataclasses.fields(Call)} - {"op"}
+
+
+def _route_gpu(monkeypatch, reads):
+    """A GPU of capability state["cap"] and shared memory state["smem"] with every family buildable, and a Call
+    whose field reads are added to `reads` while state["record"] is set (capability and smem_per_block read
+    device)."""
+    state = {"cap": (9, 0), "smem": 232448, "record": False}
+
+    class Recording(Call):
+        def __getattribute__(self, name):
+            if name in _FIELD_VALUES and state["record"]:
+                reads.add(name)
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(Call, "capability", property(
+        lambda self: state["cap"] if self.device.type == "cuda" else None))
+    monkeypatch.setattr(Call, "smem_per_block", property(
+        lambda self: state["smem"] if self.device.type == "cuda" else 0))
+    monkeypatch.setattr(_build, "family_available", lambda name: (True, ""))
+    monkeypatch.delenv("MLA_AUTOGRAD_BACKEND", raising=False)
+    return state, Recording
+
+
+@pytest.mark.parametrize("op", sorted(_dispatch.ROUTE_FIELDS))
+def test_routes_read_exactly_their_route_fields(monkeypatch, op):
+    """Every field a row of the op reads, over calls that take each branch of its rows, is one of
+    ROUTE_FIELDS[op] (so the memo keyed on them is right), and each of those is read (so it is no larger
+    than the rows need); calls equal in those fields get the same decision."""
+    import itertools
+    reads: set[str] = set()
+    state, Recording = _route_gpu(monkeypatch, reads)
+    fields = _dispatch.ROUTE_FIELDS[op]
+    decisions: dict = {}
+    for cap, smem in ((8, 0), 166912), ((8, 6), 101376), ((9, 0), 232448), ((10, 0), 232448):
+        state["cap"], state["smem"] = cap, smem
+        for values in itertools.product(*(_FIELD_VALUES[f] for f in fields)):
+            for other in ({}, {f: vs[-1] for f, vs in _FIELD_VALUES.items() if f not in fields}):
+                c = Recording(op=op, **dict(zip(fields, values)), **other)
+                state["record"] = True
+                d = explain_call(c)
+                state["record"] = False
+                assert decisions.setdefault((cap, c.route_key()), d) == d, (c, d, decisions[(cap, c.route_key())])
+    assert reads == set(fields)
+
+
+@pytest.mark.parametrize("op", sorted(_dispatch.ROUTE_FIELDS))
+def test_memo_has_one_entry_per_route_key(monkeypatch, op):
+    """Calls that differ only in fields no row of the op reads share one memo entry and decision; a call
+    that differs in any one field the rows read has its own entry."""
+    _route_gpu(monkeypatch, set())
+    monkeypatch.setattr(_dispatch, "_decisions", {})
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    base = Call(op=op, device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                dims=(512, 64) if op == "decode" else (192, 128), num_heads=16, seqlen_q=1, page_size=64)
+    first = _dispatch.select(base)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some of the varied calls go to the reference path
+        for name, values in _FIELD_VALUES.items():
+            other = next(v for v in values if v != getattr(base, name))
+            before = len(_dispatch._decisions)
+            d = _dispatch.select(dataclasses.replace(base, **{name: other}))
+            if name in _dispatch.ROUTE_FIELDS[op]:
+                assert len(_dispatch._decisions) == before + 1, name
+            else:
+                assert len(_dispatch._decisions) == before and d is first, name
+    assert len(_dispatch._decisions) == 1 + len(_dispatch.ROUTE_FIELDS[op])
+
+
 @pytest.mark.parametrize("smem,heads,sq,expect", [
     (101376, 16, 1, "sm80_decode"),   # 8.6 / 8.9 / 12.0 (99 KB per block): the 16-row tile fits
     (101376, 8, 2, "sm80_decode"),

@@ -21,6 +21,56 @@ def test_opcheck_attn_fwd_bwd_dense():
                           (do, q, k, v, out, lse, None, None, 5, 7, 0.3, True, True, False))
 
 
+def test_opcheck_attn_fwd_autograd():
+    """attn_fwd's registered autograd, checked by opcheck with inputs that require grad (the backward runs
+    eagerly and through AOTAutograd); deterministic is an argument of the op, for its backward."""
+    q, k, v = (torch.randn(2, 5, 2, 8, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.mla_autograd.attn_fwd.default, (q, k, v, None, None, 5, 5, 0.3, True, True, True))
+    cu = _cu([2, 3])
+    q, k, v = (torch.randn(5, 2, 8, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.mla_autograd.attn_fwd.default, (q, k, v, cu, cu, 3, 3, 0.3, False, True))
+
+
+def _attention_routes(q, k, v, **kw):
+    """(out, dq, dk, dv) of M.attention eagerly (the eager autograd Function), through the op's registered
+    autograd (a tensor subclass takes the op), and compiled (fullgraph)."""
+    class Sub(torch.Tensor):
+        pass
+
+    def run(fn, *xs):
+        xs = [x.detach().requires_grad_() for x in xs]
+        out = fn(*xs)
+        return (out.detach(), *torch.autograd.grad(out.square().sum(), xs))
+
+    def sub(q, k, v):
+        return M.attention(*(x.as_subclass(Sub) for x in (q, k, v)), **kw).as_subclass(torch.Tensor)
+
+    compiled = torch.compile(lambda q, k, v: M.attention(q, k, v, **kw), fullgraph=True, backend="aot_eager")
+    return [run(fn, q, k, v) for fn in (lambda q, k, v: M.attention(q, k, v, **kw), sub, compiled)]
+
+
+def test_eager_function_op_and_compiled_give_identical_results():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, s, h, d, generator=g) for s, h, d in ((6, 4, 8), (9, 2, 8), (9, 2, 4)))
+    eager, op, compiled = _attention_routes(q, k, v, causal=True, causal_align="top_left")
+    for a, b, c in zip(eager, op, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c)
+
+
+def test_backward_sees_deterministic_eager_and_compiled(monkeypatch):
+    """deterministic= reaches the backward's dispatch call on every route (the op carries it to its backward)."""
+    from mla_autograd import _ops
+    seen = []
+    real = _ops.select
+    monkeypatch.setattr(_ops, "select", lambda call: (seen.append((call.op, call.deterministic)), real(call))[1])
+    q = torch.randn(1, 4, 2, 8)
+    for det in (False, True):
+        seen.clear()
+        _attention_routes(q, q, q, deterministic=det)
+        assert [d for op, d in seen if op == "attn_bwd"] == [det] * 3, seen
+
+
 def test_opcheck_attn_varlen():
     cq, ck = _cu([2, 0, 3]), _cu([3, 2, 1])
     q, k, v = torch.randn(5, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
@@ -71,9 +121,9 @@ def test_compile_fullgraph_varlen_and_decode():
 
 
 def test_compile_inductor():
-    # Self-attention written with one tensor for q, k and v: Dynamo rejects an autograd.Function given the
-    # same tensor twice, so the API passes views (distinct_inputs). This test was marked slow, out of CI,
-    # and failed on torch 2.14 until that fix.
+    # Self-attention written with one tensor for q, k and v: the compiled call traces the custom op with its
+    # registered autograd, which takes one tensor for several inputs (Dynamo refuses that of an
+    # autograd.Function).
     q = torch.randn(1, 8, 2, 16, requires_grad=True)
     f = torch.compile(lambda q: M.attention(q, q, q, causal=True).sum(), fullgraph=True)
     f(q).backward()
