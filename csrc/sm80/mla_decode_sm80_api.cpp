@@ -7,7 +7,6 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
 #include <climits>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/cuda_check.h"
 #include "common/device_info.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
@@ -284,10 +284,10 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
   // metadata kernel would write); larger ones run the metadata kernel first.
   p.sched_inline = !schedule.has_value() && B <= mds::kInlineScheduleMaxBatch ? 1 : 0;
   // Per-CTA timer stamps of the main kernel's (m-block, item) grid: null unless built with -DMLA_DECODE_STAMPS.
-  p.stamps = mds::stamps_for_launch(int64_t(num_mblocks) * num_items, stream);
+  MLA_CUDA_CHECK(mds::stamps_for_launch(int64_t(num_mblocks) * num_items, stream, &p.stamps),
+                 "mla_decode_sm80: stamp buffer");
   if (!schedule.has_value() && !p.sched_inline) {
-    mds::launch_metadata(p, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    MLA_CUDA_CHECK(mds::launch_metadata(p, stream), "mla_decode_sm80: metadata kernel launch");
   }
   // With a precomputed schedule the main kernel is still a programmatic dependent (p.pdl) of whatever
   // kernel precedes it on the stream (another layer's merge kernel, an unrelated op, or the metadata kernel
@@ -296,10 +296,9 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
   // or a predecessor that already finished); a predecessor that never calls launch_dependents only lets it
   // launch at completion. The schedule was written by a metadata kernel earlier on this stream (the stream
   // orders it, or the caller's event does when it came from another stream), so it is complete when read.
-  mds::launch_decode(p, m_tile, bf16, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  mds::launch_combine(p, bf16, prop.sm_count, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MLA_CUDA_CHECK(mds::launch_decode(p, m_tile, bf16, stream), "mla_decode_sm80: main kernel launch (m_tile ", m_tile,
+                 ws ? ", warp-specialized" : "", ")");
+  MLA_CUDA_CHECK(mds::launch_combine(p, bf16, prop.sm_count, stream), "mla_decode_sm80: merge kernel launch");
   return {out, lse};
 }
 
@@ -376,8 +375,7 @@ at::Tensor schedule_impl(const at::Tensor& cache_seqlens, int64_t seqlen_q, int6
   p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;
   p.force_splits = int(num_splits);
   p.pdl = (prop.major >= 9 && opt.pdl) ? 1 : 0;
-  mds::launch_metadata(p, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MLA_CUDA_CHECK(mds::launch_metadata(p, stream), "mla_decode_sm80: decode_schedule: metadata kernel launch");
   return sched;
 }
 
@@ -427,8 +425,9 @@ at::Tensor read_stamps() {
   unsigned long long* ptr = mds::stamps_last(&ctas);
   if (ptr == nullptr || ctas == 0) return at::empty({0, mds::kStampSlots}, at::TensorOptions().dtype(at::kLong));
   std::vector<int64_t> host(size_t(ctas) * mds::kStampSlots);
-  C10_CUDA_CHECK(cudaDeviceSynchronize());
-  C10_CUDA_CHECK(cudaMemcpy(host.data(), ptr, host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  MLA_CUDA_CHECK(cudaDeviceSynchronize(), "mla_decode_sm80: read_stamps: synchronising");
+  MLA_CUDA_CHECK(cudaMemcpy(host.data(), ptr, host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost),
+                 "mla_decode_sm80: read_stamps: copying the stamps");
   return at::tensor(host, at::TensorOptions().dtype(at::kLong)).view({ctas, mds::kStampSlots});
 }
 

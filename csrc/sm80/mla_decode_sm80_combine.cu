@@ -138,12 +138,13 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
   }
 }
 
-void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream) {
+cudaError_t launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream) {
   const long long units = (long long)p.B * p.Sq * p.H * kCombineSlices;
-  if (units == 0) return;
+  if (units == 0) return cudaSuccess;
   const unsigned blocks = unsigned(std::min<long long>(units, (long long)num_sms * kCombineCtasPerSm));
-  if (is_bf16) launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p);
-  else launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
+  return is_bf16
+             ? launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p)
+             : launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
 }
 
 }  // namespace mla_decode_sm80

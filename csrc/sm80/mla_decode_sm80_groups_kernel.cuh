@@ -255,8 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 }
 
 template <typename Elem>
-void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_groups_kernel<Elem>, GroupsConfig::smem_bytes(), stream, p);
+cudaError_t launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_groups_kernel<Elem>>(GroupsConfig::smem_bytes(), stream, p);
 }
 
 }  // namespace mla_decode_sm80

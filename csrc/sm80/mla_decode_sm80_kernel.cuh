@@ -768,8 +768,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 namespace mla_decode_sm80 {
 
 template <typename Elem, int M_TILE>
-void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_kernel<Elem, M_TILE>, TileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
+cudaError_t launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_kernel<Elem, M_TILE>>(TileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80

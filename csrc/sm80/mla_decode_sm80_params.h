@@ -61,10 +61,10 @@ struct DecodeParams {
   unsigned long long* stamps;
 };
 
-// Host launchers (defined in the .cu files).
-void launch_metadata(const DecodeParams& p, cudaStream_t stream);
-void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
-void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream);
+// Host launchers (defined in the .cu files), each returning its launch's cudaError_t (common/cuda_check.h).
+cudaError_t launch_metadata(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
+cudaError_t launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream);
 int max_stages_for(int m_tile, int smem_optin);
 int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);

@@ -384,8 +384,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 }
 
 template <typename Elem, int M_TILE>
-void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_ws_kernel<Elem, M_TILE>, WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
+cudaError_t launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_ws_kernel<Elem, M_TILE>>(WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80
@@ -395,14 +395,13 @@ namespace mla_decode_sm80 {
 // Every main kernel of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the all-warps
 // kernel for 16/32-row tiles, and for 64-row tiles the row-group kernel (p.groups) or the all-warps one.
 template <typename Elem>
-void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
-  if (p.ws) {
-    if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
-    else launch_decode_ws_tile<Elem, 32>(p, stream);
-  } else if (m_tile == 16) launch_decode_tile<Elem, 16>(p, stream);
-  else if (m_tile == 32) launch_decode_tile<Elem, 32>(p, stream);
-  else if (p.groups) launch_decode_groups<Elem>(p, stream);
-  else launch_decode_tile<Elem, 64>(p, stream);
+cudaError_t launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
+  if (p.ws && m_tile == 16) return launch_decode_ws_tile<Elem, 16>(p, stream);
+  if (p.ws) return launch_decode_ws_tile<Elem, 32>(p, stream);
+  if (m_tile == 16) return launch_decode_tile<Elem, 16>(p, stream);
+  if (m_tile == 32) return launch_decode_tile<Elem, 32>(p, stream);
+  if (p.groups) return launch_decode_groups<Elem>(p, stream);
+  return launch_decode_tile<Elem, 64>(p, stream);
 }
 
 }  // namespace mla_decode_sm80
