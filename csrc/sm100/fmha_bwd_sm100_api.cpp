@@ -35,7 +35,7 @@ int bwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
   return mla ? bwd_fp16_mla_smem(m) : bwd_fp16_mha_smem(m);
 }
 
-LaunchStatus bwd_launch(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t bwd_launch(BwdLaunch const& p, cudaStream_t stream) {
   bool mla = p.head_dims == HeadDims::kMla192x128;
   if (p.dtype == DType::kBF16) return mla ? bwd_bf16_mla(p, stream) : bwd_bf16_mha(p, stream);
   return mla ? bwd_fp16_mla(p, stream) : bwd_fp16_mha(p, stream);
@@ -420,8 +420,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   at::Tensor cu_dense_q, cu_dense_k, cu_san_q, cu_san_k;
   if (P.varlen) {
     // sanitised on the device (sm100_fmha_cu.h); rows that no sequence covers get zero gradients
-    std::tie(cu_san_q, cu_san_k) =
-        launched_cu(*cu_seqlens_q, *cu_seqlens_k, P.B, P.total_q, P.total_k, CuLayout::kPlain, stream);
+    std::tie(cu_san_q, cu_san_k) = launched_cu(*cu_seqlens_q, *cu_seqlens_k, P.B, P.total_q, P.total_k,
+                                               CuLayout::kPlain, stream, "fmha_bwd_sm100");
     dqt.zero_();
     dkt.zero_();
     dvt.zero_();
@@ -472,8 +472,9 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     pr.lse_rows_from_cu = P.varlen;
     pr.scaled_lse = ws_lse.data_ptr<float>();
     pr.neg_sum_odo = ws_sum.data_ptr<float>();
-    throw_on(bwd_prep_launch(pr, stream), "backward preprocess");
-    C10_CUDA_CHECK(cudaMemsetAsync(ws_dq.data_ptr(), 0, size_t(nb * KH * P.qp * P.dp) * sizeof(float), stream));
+    MLA_CUDA_CHECK(bwd_prep_launch(pr, stream), "fmha_bwd_sm100: preprocess kernel launch");
+    MLA_CUDA_CHECK(cudaMemsetAsync(ws_dq.data_ptr(), 0, size_t(nb * KH * P.qp * P.dp) * sizeof(float), stream),
+                   "fmha_bwd_sm100: clearing the dQ accumulator");
 
     BwdLaunch L{};
     L.dtype = P.dtype;
@@ -500,7 +501,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     L.qp = int(P.qp);
     L.dp = int(P.dp);
     L.softmax_scale = P.scale;
-    throw_on(bwd_launch(L, stream), "backward kernel");
+    MLA_CUDA_CHECK(bwd_launch(L, stream), "fmha_bwd_sm100: backward kernel launch (", nb, " batches, max_seqlen_k ",
+                   L.max_k, ")");
 
     BwdConvert cv{};
     cv.dtype = P.dtype;
@@ -516,7 +518,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     cv.dq_row = P.dq.row;
     cv.dq_head = P.dq.head;
     cv.scale = P.scale;
-    throw_on(bwd_convert_launch(cv, stream), "backward dQ conversion");
+    MLA_CUDA_CHECK(bwd_convert_launch(cv, stream), "fmha_bwd_sm100: dQ conversion kernel launch");
   }
 
   if (P.gqa == "expand_kv") {

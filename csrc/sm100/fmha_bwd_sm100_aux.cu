@@ -100,34 +100,30 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_convert_kernel(BwdConvert p) 
 
 }  // namespace
 
-LaunchStatus bwd_prep_launch(BwdPrep const& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.heads == 0 || p.qp == 0) return LaunchStatus::ok();
-  if (p.d_vo % 4 != 0) return LaunchStatus::fail("prep: d_vo must be a multiple of 4");
-  if (p.batch > 65535 || p.heads > 65535) return LaunchStatus::fail("prep: grid limit");
+cudaError_t bwd_prep_launch(BwdPrep const& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.heads == 0 || p.qp == 0) return cudaSuccess;
+  if (p.d_vo % 4 != 0) return cudaErrorInvalidValue;  // rows are read 4 elements at a time
+  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((p.qp + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
   if (p.dtype == DType::kBF16) {
     bwd_prep_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     bwd_prep_kernel<__half><<<grid, kWarps * 32, 0, stream>>>(p);
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return LaunchStatus::fail("prep kernel launch failed", e);
-  return LaunchStatus::ok();
+  return cudaGetLastError();
 }
 
-LaunchStatus bwd_convert_launch(BwdConvert const& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.heads == 0 || p.max_q == 0) return LaunchStatus::ok();
-  if (p.d_qk % 4 != 0) return LaunchStatus::fail("convert: d_qk must be a multiple of 4");
-  if (p.batch > 65535 || p.heads > 65535) return LaunchStatus::fail("convert: grid limit");
+cudaError_t bwd_convert_launch(BwdConvert const& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.heads == 0 || p.max_q == 0) return cudaSuccess;
+  if (p.d_qk % 4 != 0) return cudaErrorInvalidValue;  // rows are written 4 elements at a time
+  if (p.batch > 65535 || p.heads > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((p.max_q + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
   if (p.dtype == DType::kBF16) {
     bwd_convert_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     bwd_convert_kernel<__half><<<grid, kWarps * 32, 0, stream>>>(p);
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return LaunchStatus::fail("convert kernel launch failed", e);
-  return LaunchStatus::ok();
+  return cudaGetLastError();
 }
 
 }  // namespace mla_sm100

@@ -34,7 +34,7 @@ int fwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
   return mla ? fwd_fp16_mla_smem(m) : fwd_fp16_mha_smem(m);
 }
 
-LaunchStatus fwd_launch(FwdLaunch const& p, cudaStream_t stream) {
+cudaError_t fwd_launch(FwdLaunch const& p, cudaStream_t stream) {
   bool mla = p.head_dims == HeadDims::kMla192x128;
   if (p.dtype == DType::kBF16) return mla ? fwd_bf16_mla(p, stream) : fwd_bf16_mha(p, stream);
   return mla ? fwd_fp16_mla(p, stream) : fwd_fp16_mha(p, stream);
@@ -368,7 +368,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   }
   if (P.cu_rewrite != "none") {  // every varlen call (the caller's values sanitised) and the dense bottom-right split
     const CuLayout layout = P.cu_rewrite == "split_bottom_right" ? CuLayout::kSplitBottomRight : CuLayout::kPrependEmpty;
-    std::tie(cu_q, cu_k) = launched_cu(cu_q, cu_k, cu_q.size(0) - 1, P.launch_q, P.launch_k, layout, stream);
+    std::tie(cu_q, cu_k) =
+        launched_cu(cu_q, cu_k, cu_q.size(0) - 1, P.launch_q, P.launch_k, layout, stream, "fmha_fwd_sm100");
   }
 
   at::Tensor out_buf;
@@ -415,7 +416,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       Li.o = static_cast<char*>(L.o) + i * P.Sq * P.o.row * esz;
       Li.lse = L.lse + i * P.lse_launch;
     }
-    throw_on(fwd_launch(Li, stream), "forward kernel");
+    MLA_CUDA_CHECK(fwd_launch(Li, stream), "fmha_fwd_sm100: forward kernel launch (", Li.batch,
+                   " batches, max_seqlen_q ", Li.max_q, ")");
   }
 
   if (P.out_staging) {

@@ -31,19 +31,19 @@ struct BwdKernelOf {
 };
 
 template <class Element, bool kMla, class MaskT>
-LaunchStatus run_bwd(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_bwd(BwdLaunch const& p, cudaStream_t stream) {
   using KO = BwdKernelOf<Element, kMla, MaskT>;
   using Kernel = typename KO::Kernel;
   using E = Element;
-  if (p.cu_q == nullptr || p.cu_k == nullptr) return LaunchStatus::fail("launch without cu_seqlens");
-  if (kMla && p.h_r != 1) return LaunchStatus::fail("the MLA backward kernel needs h_r == 1 (expand GQA first)");
+  if (p.cu_q == nullptr || p.cu_k == nullptr) return cudaErrorInvalidValue;  // launched without cu_seqlens
+  if (kMla && p.h_r != 1) return cudaErrorInvalidValue;  // the MLA kernel needs h_r == 1 (GQA expanded first)
   const int dqk = kMla ? 192 : 128, dvo = 128;
   fc::VariableLength vq{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
   fc::VariableLength vk{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
   const int H = p.h_r * p.h_k;
 
   cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
+  MLA_CUDA_TRY(cudaGetDevice(&hw.device_id));
   hw.sm_count = 0;
 
   typename Kernel::Arguments args;
@@ -81,13 +81,13 @@ LaunchStatus run_bwd(BwdLaunch const& p, cudaStream_t stream) {
         {static_cast<E*>(p.dk), skv(p.dk_row, p.dk_head), static_cast<E*>(p.dv), skv(p.dv_row, p.dv_head)},
         hw};
   }
-  if (!Kernel::can_implement(args)) return LaunchStatus::fail("CUTLASS can_implement rejected the problem");
+  if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
   return launch_kernel<Kernel>(params, stream);
 }
 
 template <class Element, bool kMla>
-LaunchStatus run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
   switch (p.mask) {
     case Mask::kNone: return run_bwd<Element, kMla, fc::ResidualMaskForBackward>(p, stream);
     case Mask::kCausalTopLeft:
@@ -95,13 +95,13 @@ LaunchStatus run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
       // starts at tile 2j); the planner runs those calls with the equal bottom-right mask or refuses them,
       // so that variant is not compiled.
       if constexpr (kMla) {
-        return LaunchStatus::fail("top-left causal masking is not compiled for the MLA backward kernel");
+        return cudaErrorNotSupported;
       } else {
         return run_bwd<Element, kMla, fc::CausalForBackwardMask<true>>(p, stream);
       }
     case Mask::kCausalBottomRight: return run_bwd<Element, kMla, fc::CausalForBackwardMask<false>>(p, stream);
   }
-  return LaunchStatus::fail("unknown mask");
+  return cudaErrorInvalidValue;  // unknown mask
 }
 
 template <class Element, bool kMla>
@@ -123,7 +123,7 @@ int bwd_smem_masks(Mask m) {
 
 #define MLA_SM100_BWD_TU(NAME, ELEMENT, IS_MLA)                                                   \
   namespace mla_sm100 {                                                                          \
-  LaunchStatus NAME(BwdLaunch const& p, cudaStream_t stream) {                                   \
+  cudaError_t NAME(BwdLaunch const& p, cudaStream_t stream) {                                    \
     return run_bwd_masks<ELEMENT, IS_MLA>(p, stream);                                            \
   }                                                                                              \
   int NAME##_smem(Mask m) { return bwd_smem_masks<ELEMENT, IS_MLA>(m); }                         \

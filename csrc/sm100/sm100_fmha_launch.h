@@ -1,6 +1,7 @@
 // Plain C++ interface between the host api (.cpp, compiled by the host compiler, no CUTLASS) and the
 // SM100 kernel instantiations (.cu, compiled for sm_100a only). Shared by fmha_fwd_sm100 and
-// fmha_bwd_sm100. Everything here is host-side data; nothing in this header launches work.
+// fmha_bwd_sm100. Everything here is host-side data; nothing in this header launches work. Every
+// launcher declared here returns its cudaError_t, which the host api checks (common/cuda_check.h).
 #pragma once
 
 #include <cstdint>
@@ -22,18 +23,6 @@ inline const char* mask_name(Mask m) {
 }
 inline const char* dtype_name(DType d) { return d == DType::kBF16 ? "bf16" : "fp16"; }
 inline const char* head_dims_name(HeadDims h) { return h == HeadDims::kMla192x128 ? "192x128" : "128x128"; }
-
-// Result of a launcher: code 0 = launched; otherwise msg says why (no kernel was started, or the
-// launch itself failed with `cuda`).
-struct LaunchStatus {
-  int code = 0;
-  cudaError_t cuda = cudaSuccess;
-  const char* msg = "";
-  static LaunchStatus ok() { return {}; }
-  static LaunchStatus fail(const char* m, cudaError_t e = cudaSuccess) {
-    LaunchStatus s; s.code = 1; s.cuda = e; s.msg = m; return s;
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Forward: one launch of the CUTLASS example-77 forward kernel.
@@ -64,11 +53,11 @@ struct FwdLaunch {
 
 // Shared memory (bytes) the kernel of a variant needs; 0 if the variant is not compiled in.
 int fwd_smem_bytes(DType dt, HeadDims hd, Mask m);
-LaunchStatus fwd_launch(FwdLaunch const& p, cudaStream_t stream);
+cudaError_t fwd_launch(FwdLaunch const& p, cudaStream_t stream);
 
 // per-translation-unit entry points (one per (dtype, head dims)), dispatching on mask
 #define MLA_SM100_FWD_DECL(NAME)                                   \
-  LaunchStatus NAME(FwdLaunch const& p, cudaStream_t stream);      \
+  cudaError_t NAME(FwdLaunch const& p, cudaStream_t stream);       \
   int NAME##_smem(Mask m);
 MLA_SM100_FWD_DECL(fwd_bf16_mla)
 MLA_SM100_FWD_DECL(fwd_bf16_mha)
@@ -99,10 +88,10 @@ struct BwdLaunch {
   float softmax_scale;
 };
 int bwd_smem_bytes(DType dt, HeadDims hd, Mask m);
-LaunchStatus bwd_launch(BwdLaunch const& p, cudaStream_t stream);
+cudaError_t bwd_launch(BwdLaunch const& p, cudaStream_t stream);
 
 #define MLA_SM100_BWD_DECL(NAME)                                   \
-  LaunchStatus NAME(BwdLaunch const& p, cudaStream_t stream);      \
+  cudaError_t NAME(BwdLaunch const& p, cudaStream_t stream);       \
   int NAME##_smem(Mask m);
 MLA_SM100_BWD_DECL(bwd_bf16_mla)
 MLA_SM100_BWD_DECL(bwd_bf16_mha)
@@ -124,7 +113,7 @@ struct BwdPrep {
   const float* lse; int64_t lse_head, lse_batch; bool lse_rows_from_cu;
   float* scaled_lse; float* neg_sum_odo;
 };
-LaunchStatus bwd_prep_launch(BwdPrep const& p, cudaStream_t stream);
+cudaError_t bwd_prep_launch(BwdPrep const& p, cudaStream_t stream);
 
 // dQ[cu[b] + q][h][d] = scale * dq_acc[b][h][q][d] for q < len_q(b), d < d_qk.
 struct BwdConvert {
@@ -135,6 +124,6 @@ struct BwdConvert {
   void* dq; int64_t dq_row, dq_head;
   float scale;
 };
-LaunchStatus bwd_convert_launch(BwdConvert const& p, cudaStream_t stream);
+cudaError_t bwd_convert_launch(BwdConvert const& p, cudaStream_t stream);
 
 }  // namespace mla_sm100
