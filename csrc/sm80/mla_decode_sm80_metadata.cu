@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   // read the memory this schedule is written to
   grid_dependency_wait();
   const int tid = threadIdx.x;
-  const int per = (p.B + kMetaThreads - 1) / kMetaThreads;
-  const int b0 = tid * per, b1 = min(p.B, b0 + per);
+  const int per = (p.batch + kMetaThreads - 1) / kMetaThreads;
+  const int b0 = tid * per, b1 = min(p.batch, b0 + per);
 
   long long w = 0;
   for (int b = b0; b < b1; ++b) w += tiles_of(request_len(p, b));
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, p.force_splits, false);
   int base = 0, used = 0;
   Scan(tmp.scan).ExclusiveSum(my, base, used);
-  const bool down = splits_round_down(used, p.num_parts, p.B, p.force_splits);  // uniform: used is the block's sum
+  const bool down = splits_round_down(used, p.num_parts, p.batch, p.force_splits);  // uniform: used is the block's sum
   if (down) {
     my = 0;
     for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, 0, true);
@@ -58,10 +58,10 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     p.sched_items[it * 4 + 2] = tb * kBlockN;
     p.sched_items[it * 4 + 3] = min(te * kBlockN, L);
   };
-  if (p.B <= kMetaThreads) {
+  if (p.batch <= kMetaThreads) {
     // One request per thread; then one item per thread, its request found by binary search over the first
     // items (a thread writing all splits of its request took 1.2 us more for B=4 x 32 splits on the H200).
-    if (tid < p.B) {
+    if (tid < p.batch) {
       s_base[tid] = base;
       s_splits[tid] = my;
       p.sched_reqs[tid * 2 + 0] = base;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     }
     __syncthreads();
     for (int it = tid; it < used && it < p.num_items; it += kMetaThreads) {
-      int lo = 0, hi = p.B - 1;  // the last b with s_base[b] <= it (every request has >= 1 split)
+      int lo = 0, hi = p.batch - 1;  // the last b with s_base[b] <= it (every request has >= 1 split)
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_base[mid] <= it) lo = mid;
