@@ -389,8 +389,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.dtype = P.dtype;
   L.head_dims = P.hd;
   L.mask = P.mask;
-  L.max_q = int(P.max_q);
-  L.max_k = int(P.max_k);
+  L.max_seqlen_q = int(P.max_q);
+  L.max_seqlen_k = int(P.max_k);
   L.total_q = int(P.launch_q);
   L.total_k = int(P.launch_k);
   L.batch = int(P.batches);
@@ -398,11 +398,11 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.h_k = int(P.Hk);
   L.cu_q = cu_q.data_ptr<int>();
   L.cu_k = cu_k.data_ptr<int>();
-  L.q = qc.data_ptr(); L.q_row = int(P.q.row); L.q_head = int(P.q.head); L.q_batch = 0;
-  L.k = kc.data_ptr(); L.k_row = int(P.k.row); L.k_head = int(P.k.head); L.k_batch = 0;
-  L.v = vc.data_ptr(); L.v_row = int(P.v.row); L.v_head = int(P.v.head); L.v_batch = 0;
-  L.o = o_ptr;         L.o_row = int(P.o.row); L.o_head = int(P.o.head); L.o_batch = 0;
-  L.lse = lse_ptr; L.lse_head = int(P.lse_head); L.lse_batch = int(P.lse_batch);
+  L.q = qc.data_ptr(); L.q_row_stride = int(P.q.row); L.q_head_stride = int(P.q.head); L.q_batch_stride = 0;
+  L.k = kc.data_ptr(); L.k_row_stride = int(P.k.row); L.k_head_stride = int(P.k.head); L.k_batch_stride = 0;
+  L.v = vc.data_ptr(); L.v_row_stride = int(P.v.row); L.v_head_stride = int(P.v.head); L.v_batch_stride = 0;
+  L.o = o_ptr;         L.o_row_stride = int(P.o.row); L.o_head_stride = int(P.o.head); L.o_batch_stride = 0;
+  L.lse = lse_ptr; L.lse_head_stride = int(P.lse_head); L.lse_batch_stride = int(P.lse_batch);
   L.softmax_scale = P.scale;
   L.sm_count = dev.sm_count;
   L.causal_scheduler = P.causal_sched;
@@ -417,7 +417,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       Li.lse = L.lse + i * P.lse_launch;
     }
     MLA_CUDA_CHECK(fwd_launch(Li, stream), "fmha_fwd_sm100: forward kernel launch (", Li.batch,
-                   " batches, max_seqlen_q ", Li.max_q, ")");
+                   " batches, max_seqlen_q ", Li.max_seqlen_q, ")");
   }
 
   if (P.out_staging) {

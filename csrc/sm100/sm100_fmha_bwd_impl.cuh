@@ -38,8 +38,8 @@ cudaError_t run_bwd(BwdLaunch const& p, cudaStream_t stream) {
   if (p.cu_q == nullptr || p.cu_k == nullptr) return cudaErrorInvalidValue;  // launched without cu_seqlens
   if (kMla && p.h_r != 1) return cudaErrorInvalidValue;  // the MLA kernel needs h_r == 1 (GQA expanded first)
   const int dqk = kMla ? 192 : 128, dvo = 128;
-  fc::VariableLength vq{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
-  fc::VariableLength vk{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
+  fc::VariableLength vq{p.max_seqlen_q, const_cast<int*>(p.cu_q), p.total_q};
+  fc::VariableLength vk{p.max_seqlen_k, const_cast<int*>(p.cu_k), p.total_k};
   const int H = p.h_r * p.h_k;
 
   cutlass::KernelHardwareInfo hw;
@@ -53,15 +53,16 @@ cudaError_t run_bwd(BwdLaunch const& p, cudaStream_t stream) {
     auto srow = make_stride(_1{}, make_stride(p.qp, p.qp * H));
     args = typename Kernel::Arguments{
         shape,
-        {static_cast<E const*>(p.q), s(p.q_row, p.q_head),
-         static_cast<E const*>(p.k), s(p.k_row, p.k_head),
-         static_cast<E const*>(p.v), s(p.v_row, p.v_head),
-         static_cast<E const*>(p.dout), s(p.do_row, p.do_head),
+        {static_cast<E const*>(p.q), s(p.q_row_stride, p.q_head_stride),
+         static_cast<E const*>(p.k), s(p.k_row_stride, p.k_head_stride),
+         static_cast<E const*>(p.v), s(p.v_row_stride, p.v_head_stride),
+         static_cast<E const*>(p.dout), s(p.do_row_stride, p.do_head_stride),
          p.scaled_lse, srow,
          p.neg_sum_odo, srow,
          p.dq_acc, make_stride(p.dp, _1{}, make_stride(p.dp * p.qp, p.dp * p.qp * H)),
          p.softmax_scale},
-        {static_cast<E*>(p.dk), s(p.dk_row, p.dk_head), static_cast<E*>(p.dv), s(p.dv_row, p.dv_head)},
+        {static_cast<E*>(p.dk), s(p.dk_row_stride, p.dk_head_stride),
+         static_cast<E*>(p.dv), s(p.dv_row_stride, p.dv_head_stride)},
         hw};
   } else {
     auto shape = cute::make_tuple(vq, vk, dqk, dvo, cute::make_tuple(cute::make_tuple(p.h_r, p.h_k), p.batch));
@@ -70,15 +71,16 @@ cudaError_t run_bwd(BwdLaunch const& p, cudaStream_t stream) {
     auto srow = make_stride(_1{}, make_stride(make_stride(p.qp, p.qp * p.h_r), p.qp * H));
     args = typename Kernel::Arguments{
         shape,
-        {static_cast<E const*>(p.q), sq(p.q_row, p.q_head),
-         static_cast<E const*>(p.k), skv(p.k_row, p.k_head),
-         static_cast<E const*>(p.v), skv(p.v_row, p.v_head),
-         static_cast<E const*>(p.dout), sq(p.do_row, p.do_head),
+        {static_cast<E const*>(p.q), sq(p.q_row_stride, p.q_head_stride),
+         static_cast<E const*>(p.k), skv(p.k_row_stride, p.k_head_stride),
+         static_cast<E const*>(p.v), skv(p.v_row_stride, p.v_head_stride),
+         static_cast<E const*>(p.dout), sq(p.do_row_stride, p.do_head_stride),
          p.scaled_lse, srow,
          p.neg_sum_odo, srow,
          p.dq_acc, make_stride(p.dp, _1{}, make_stride(make_stride(p.dp * p.qp, p.dp * p.qp * p.h_r), p.dp * p.qp * H)),
          p.softmax_scale},
-        {static_cast<E*>(p.dk), skv(p.dk_row, p.dk_head), static_cast<E*>(p.dv), skv(p.dv_row, p.dv_head)},
+        {static_cast<E*>(p.dk), skv(p.dk_row_stride, p.dk_head_stride),
+         static_cast<E*>(p.dv), skv(p.dv_row_stride, p.dv_head_stride)},
         hw};
   }
   if (!Kernel::can_implement(args)) return cudaErrorNotSupported;

@@ -60,8 +60,8 @@ cudaError_t run_fwd(FwdLaunch const& p, cudaStream_t stream) {
   if (kCausalSched && (p.h_r * p.h_k) % fk::CausalIndividualTileScheduler::TileH != 0) {
     return cudaErrorInvalidValue;  // the causal tile scheduler needs query heads in multiples of 8
   }
-  get<0>(shape) = fc::VariableLength{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
-  get<1>(shape) = fc::VariableLength{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
+  get<0>(shape) = fc::VariableLength{p.max_seqlen_q, const_cast<int*>(p.cu_q), p.total_q};
+  get<1>(shape) = fc::VariableLength{p.max_seqlen_k, const_cast<int*>(p.cu_k), p.total_k};
   if constexpr (kMla) {
     get<2>(shape) = cute::make_tuple(128, 64);
   } else {
@@ -69,11 +69,16 @@ cudaError_t run_fwd(FwdLaunch const& p, cudaStream_t stream) {
   }
   get<3>(shape) = cute::make_tuple(cute::make_tuple(p.h_r, p.h_k), p.batch);
 
-  typename KO::StrideQ sq = make_stride(p.q_row, _1{}, make_stride(make_stride(p.q_head, p.q_head * p.h_r), p.q_batch));
-  typename KO::StrideK sk = make_stride(p.k_row, _1{}, make_stride(make_stride(_0{}, p.k_head), p.k_batch));
-  typename KO::StrideV sv = make_stride(p.v_row, _1{}, make_stride(make_stride(_0{}, p.v_head), p.v_batch));
-  typename KO::StrideO so = make_stride(p.o_row, _1{}, make_stride(make_stride(p.o_head, p.o_head * p.h_r), p.o_batch));
-  typename KO::StrideLSE sl = make_stride(_1{}, make_stride(make_stride(p.lse_head, p.lse_head * p.h_r), p.lse_batch));
+  typename KO::StrideQ sq = make_stride(p.q_row_stride, _1{},
+                                        make_stride(make_stride(p.q_head_stride, p.q_head_stride * p.h_r), p.q_batch_stride));
+  typename KO::StrideK sk =
+      make_stride(p.k_row_stride, _1{}, make_stride(make_stride(_0{}, p.k_head_stride), p.k_batch_stride));
+  typename KO::StrideV sv =
+      make_stride(p.v_row_stride, _1{}, make_stride(make_stride(_0{}, p.v_head_stride), p.v_batch_stride));
+  typename KO::StrideO so = make_stride(p.o_row_stride, _1{},
+                                        make_stride(make_stride(p.o_head_stride, p.o_head_stride * p.h_r), p.o_batch_stride));
+  typename KO::StrideLSE sl =
+      make_stride(_1{}, make_stride(make_stride(p.lse_head_stride, p.lse_head_stride * p.h_r), p.lse_batch_stride));
 
   cutlass::KernelHardwareInfo hw;
   MLA_CUDA_TRY(cudaGetDevice(&hw.device_id));
