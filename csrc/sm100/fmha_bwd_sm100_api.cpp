@@ -35,7 +35,7 @@ int bwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
   return mla ? bwd_fp16_mla_smem(m) : bwd_fp16_mha_smem(m);
 }
 
-LaunchStatus bwd_launch(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t bwd_launch(BwdLaunch const& p, cudaStream_t stream) {
   bool mla = p.head_dims == HeadDims::kMla192x128;
   if (p.dtype == DType::kBF16) return mla ? bwd_bf16_mla(p, stream) : bwd_bf16_mha(p, stream);
   return mla ? bwd_fp16_mla(p, stream) : bwd_fp16_mha(p, stream);
@@ -420,8 +420,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   at::Tensor cu_dense_q, cu_dense_k, cu_san_q, cu_san_k;
   if (P.varlen) {
     // sanitised on the device (sm100_fmha_cu.h); rows that no sequence covers get zero gradients
-    std::tie(cu_san_q, cu_san_k) =
-        launched_cu(*cu_seqlens_q, *cu_seqlens_k, P.B, P.total_q, P.total_k, CuLayout::kPlain, stream);
+    std::tie(cu_san_q, cu_san_k) = launched_cu(*cu_seqlens_q, *cu_seqlens_k, P.B, P.total_q, P.total_k,
+                                               CuLayout::kPlain, stream, "fmha_bwd_sm100");
     dqt.zero_();
     dkt.zero_();
     dvt.zero_();
@@ -456,31 +456,32 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     BwdPrep pr{};
     pr.dtype = P.dtype;
     pr.batch = int(nb);
-    pr.heads = int(KH);
+    pr.hq = int(KH);
     pr.d_vo = int(P.dvo);
     pr.qp = int(P.qp);
     pr.cu_q = cuq;
     pr.o = at_off(oc, oq * P.o.row);
-    pr.o_row = P.o.row;
-    pr.o_head = P.o.head;
+    pr.o_row_stride = P.o.row;
+    pr.o_head_stride = P.o.head;
     pr.dout = at_off(doc, oq * P.dout.row);
-    pr.do_row = P.dout.row;
-    pr.do_head = P.dout.head;
+    pr.do_row_stride = P.dout.row;
+    pr.do_head_stride = P.dout.head;
     pr.lse = lse_ptr;
-    pr.lse_head = P.lse_head;
-    pr.lse_batch = P.varlen ? 0 : P.lse_batch;
+    pr.lse_head_stride = P.lse_head;
+    pr.lse_batch_stride = P.varlen ? 0 : P.lse_batch;
     pr.lse_rows_from_cu = P.varlen;
     pr.scaled_lse = ws_lse.data_ptr<float>();
     pr.neg_sum_odo = ws_sum.data_ptr<float>();
-    throw_on(bwd_prep_launch(pr, stream), "backward preprocess");
-    C10_CUDA_CHECK(cudaMemsetAsync(ws_dq.data_ptr(), 0, size_t(nb * KH * P.qp * P.dp) * sizeof(float), stream));
+    MLA_CUDA_CHECK(bwd_prep_launch(pr, stream), "fmha_bwd_sm100: preprocess kernel launch");
+    MLA_CUDA_CHECK(cudaMemsetAsync(ws_dq.data_ptr(), 0, size_t(nb * KH * P.qp * P.dp) * sizeof(float), stream),
+                   "fmha_bwd_sm100: clearing the dQ accumulator");
 
     BwdLaunch L{};
     L.dtype = P.dtype;
     L.head_dims = P.hd;
     L.mask = P.mask;
-    L.max_q = int(P.max_q);
-    L.max_k = int(P.max_k);
+    L.max_seqlen_q = int(P.max_q);
+    L.max_seqlen_k = int(P.max_k);
     L.total_q = int(tq);
     L.total_k = int(tk);
     L.batch = int(nb);
@@ -488,35 +489,36 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     L.h_k = int(P.kern_h_k);
     L.cu_q = cuq;
     L.cu_k = cuk;
-    L.q = at_off(qc, oq * P.q.row);       L.q_row = int(P.q.row);     L.q_head = int(P.q.head);
-    L.k = at_off(kc, ok * P.k.row);       L.k_row = int(P.k.row);     L.k_head = int(P.k.head);
-    L.v = at_off(vc, ok * P.v.row);       L.v_row = int(P.v.row);     L.v_head = int(P.v.head);
-    L.dout = at_off(doc, oq * P.dout.row); L.do_row = int(P.dout.row); L.do_head = int(P.dout.head);
-    L.dk = at_off(dkt, ok * P.dk.row);    L.dk_row = int(P.dk.row);   L.dk_head = int(P.dk.head);
-    L.dv = at_off(dvt, ok * P.dv.row);    L.dv_row = int(P.dv.row);   L.dv_head = int(P.dv.head);
+    L.q = at_off(qc, oq * P.q.row);       L.q_row_stride = int(P.q.row);     L.q_head_stride = int(P.q.head);
+    L.k = at_off(kc, ok * P.k.row);       L.k_row_stride = int(P.k.row);     L.k_head_stride = int(P.k.head);
+    L.v = at_off(vc, ok * P.v.row);       L.v_row_stride = int(P.v.row);     L.v_head_stride = int(P.v.head);
+    L.dout = at_off(doc, oq * P.dout.row); L.do_row_stride = int(P.dout.row); L.do_head_stride = int(P.dout.head);
+    L.dk = at_off(dkt, ok * P.dk.row);    L.dk_row_stride = int(P.dk.row);   L.dk_head_stride = int(P.dk.head);
+    L.dv = at_off(dvt, ok * P.dv.row);    L.dv_row_stride = int(P.dv.row);   L.dv_head_stride = int(P.dv.head);
     L.scaled_lse = ws_lse.data_ptr<float>();
     L.neg_sum_odo = ws_sum.data_ptr<float>();
     L.dq_acc = ws_dq.data_ptr<float>();
     L.qp = int(P.qp);
     L.dp = int(P.dp);
     L.softmax_scale = P.scale;
-    throw_on(bwd_launch(L, stream), "backward kernel");
+    MLA_CUDA_CHECK(bwd_launch(L, stream), "fmha_bwd_sm100: backward kernel launch (", nb, " batches, max_seqlen_k ",
+                   L.max_seqlen_k, ")");
 
     BwdConvert cv{};
     cv.dtype = P.dtype;
     cv.batch = int(nb);
-    cv.heads = int(KH);
+    cv.hq = int(KH);
     cv.d_qk = int(P.dqk);
     cv.qp = int(P.qp);
     cv.dp = int(P.dp);
-    cv.max_q = int(P.max_q);
+    cv.max_seqlen_q = int(P.max_q);
     cv.cu_q = cuq;
     cv.dq_acc = ws_dq.data_ptr<float>();
     cv.dq = at_off(dqt, oq * P.dq.row);
-    cv.dq_row = P.dq.row;
-    cv.dq_head = P.dq.head;
+    cv.dq_row_stride = P.dq.row;
+    cv.dq_head_stride = P.dq.head;
     cv.scale = P.scale;
-    throw_on(bwd_convert_launch(cv, stream), "backward dQ conversion");
+    MLA_CUDA_CHECK(bwd_convert_launch(cv, stream), "fmha_bwd_sm100: dQ conversion kernel launch");
   }
 
   if (P.gqa == "expand_kv") {

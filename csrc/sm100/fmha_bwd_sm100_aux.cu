@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_prep_kernel(BwdPrep p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t row0 = p.cu_q[b];
   const int len = p.cu_q[b + 1] - p.cu_q[b];
-  const int64_t ws = (int64_t(b) * p.heads + h) * p.qp;
+  const int64_t ws = (int64_t(b) * p.hq + h) * p.qp;
   const T* o = static_cast<const T*>(p.o);
   const T* dout = static_cast<const T*>(p.dout);
   for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_prep_kernel(BwdPrep p) {
       continue;
     }
     const int64_t r = row0 + q;
-    const T* orow = o + r * p.o_row + int64_t(h) * p.o_head;
-    const T* drow = dout + r * p.do_row + int64_t(h) * p.do_head;
+    const T* orow = o + r * p.o_row_stride + int64_t(h) * p.o_head_stride;
+    const T* drow = dout + r * p.do_row_stride + int64_t(h) * p.do_head_stride;
     float acc = 0.f;
     for (int d = lane * 4; d < p.d_vo; d += 128) {
       // 4 elements = 8 bytes; rows and heads are 16-byte aligned (strides multiples of 8 elements)
@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_prep_kernel(BwdPrep p) {
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     if (lane == 0) {
-      const int64_t lrow = (p.lse_rows_from_cu ? r : int64_t(q)) + int64_t(b) * p.lse_batch + int64_t(h) * p.lse_head;
+      const int64_t lrow =
+          (p.lse_rows_from_cu ? r : int64_t(q)) + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride;
       const float l = p.lse[lrow];
       p.neg_sum_odo[ws + q] = -acc;
       p.scaled_lse[ws + q] = (l == -INFINITY) ? -INFINITY : -1.4426950408889634f * l;
@@ -87,8 +88,8 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_convert_kernel(BwdConvert p) 
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int q = blockIdx.x * kRowsPerBlock + warp * kRowsPerWarp + i;
     if (q >= len) break;
-    const float* src = p.dq_acc + ((int64_t(b) * p.heads + h) * p.qp + q) * p.dp;
-    T* dst = dq + (row0 + q) * p.dq_row + int64_t(h) * p.dq_head;
+    const float* src = p.dq_acc + ((int64_t(b) * p.hq + h) * p.qp + q) * p.dp;
+    T* dst = dq + (row0 + q) * p.dq_row_stride + int64_t(h) * p.dq_head_stride;
     for (int d = lane * 4; d < p.d_qk; d += 128) {
       float4 x = *reinterpret_cast<const float4*>(src + d);
       T y[4] = {from_f<T>(p.scale * x.x), from_f<T>(p.scale * x.y), from_f<T>(p.scale * x.z),
@@ -100,34 +101,30 @@ __global__ void __launch_bounds__(kWarps * 32) bwd_convert_kernel(BwdConvert p) 
 
 }  // namespace
 
-LaunchStatus bwd_prep_launch(BwdPrep const& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.heads == 0 || p.qp == 0) return LaunchStatus::ok();
-  if (p.d_vo % 4 != 0) return LaunchStatus::fail("prep: d_vo must be a multiple of 4");
-  if (p.batch > 65535 || p.heads > 65535) return LaunchStatus::fail("prep: grid limit");
-  dim3 grid((p.qp + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
+cudaError_t bwd_prep_launch(BwdPrep const& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.hq == 0 || p.qp == 0) return cudaSuccess;
+  if (p.d_vo % 4 != 0) return cudaErrorInvalidValue;  // rows are read 4 elements at a time
+  if (p.batch > 65535 || p.hq > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((p.qp + kRowsPerBlock - 1) / kRowsPerBlock, p.hq, p.batch);
   if (p.dtype == DType::kBF16) {
     bwd_prep_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     bwd_prep_kernel<__half><<<grid, kWarps * 32, 0, stream>>>(p);
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return LaunchStatus::fail("prep kernel launch failed", e);
-  return LaunchStatus::ok();
+  return cudaGetLastError();
 }
 
-LaunchStatus bwd_convert_launch(BwdConvert const& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.heads == 0 || p.max_q == 0) return LaunchStatus::ok();
-  if (p.d_qk % 4 != 0) return LaunchStatus::fail("convert: d_qk must be a multiple of 4");
-  if (p.batch > 65535 || p.heads > 65535) return LaunchStatus::fail("convert: grid limit");
-  dim3 grid((p.max_q + kRowsPerBlock - 1) / kRowsPerBlock, p.heads, p.batch);
+cudaError_t bwd_convert_launch(BwdConvert const& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.hq == 0 || p.max_seqlen_q == 0) return cudaSuccess;
+  if (p.d_qk % 4 != 0) return cudaErrorInvalidValue;  // rows are written 4 elements at a time
+  if (p.batch > 65535 || p.hq > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((p.max_seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.hq, p.batch);
   if (p.dtype == DType::kBF16) {
     bwd_convert_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     bwd_convert_kernel<__half><<<grid, kWarps * 32, 0, stream>>>(p);
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return LaunchStatus::fail("convert kernel launch failed", e);
-  return LaunchStatus::ok();
+  return cudaGetLastError();
 }
 
 }  // namespace mla_sm100

@@ -34,7 +34,7 @@ int fwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
   return mla ? fwd_fp16_mla_smem(m) : fwd_fp16_mha_smem(m);
 }
 
-LaunchStatus fwd_launch(FwdLaunch const& p, cudaStream_t stream) {
+cudaError_t fwd_launch(FwdLaunch const& p, cudaStream_t stream) {
   bool mla = p.head_dims == HeadDims::kMla192x128;
   if (p.dtype == DType::kBF16) return mla ? fwd_bf16_mla(p, stream) : fwd_bf16_mha(p, stream);
   return mla ? fwd_fp16_mla(p, stream) : fwd_fp16_mha(p, stream);
@@ -368,7 +368,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   }
   if (P.cu_rewrite != "none") {  // every varlen call (the caller's values sanitised) and the dense bottom-right split
     const CuLayout layout = P.cu_rewrite == "split_bottom_right" ? CuLayout::kSplitBottomRight : CuLayout::kPrependEmpty;
-    std::tie(cu_q, cu_k) = launched_cu(cu_q, cu_k, cu_q.size(0) - 1, P.launch_q, P.launch_k, layout, stream);
+    std::tie(cu_q, cu_k) =
+        launched_cu(cu_q, cu_k, cu_q.size(0) - 1, P.launch_q, P.launch_k, layout, stream, "fmha_fwd_sm100");
   }
 
   at::Tensor out_buf;
@@ -388,8 +389,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.dtype = P.dtype;
   L.head_dims = P.hd;
   L.mask = P.mask;
-  L.max_q = int(P.max_q);
-  L.max_k = int(P.max_k);
+  L.max_seqlen_q = int(P.max_q);
+  L.max_seqlen_k = int(P.max_k);
   L.total_q = int(P.launch_q);
   L.total_k = int(P.launch_k);
   L.batch = int(P.batches);
@@ -397,11 +398,11 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   L.h_k = int(P.Hk);
   L.cu_q = cu_q.data_ptr<int>();
   L.cu_k = cu_k.data_ptr<int>();
-  L.q = qc.data_ptr(); L.q_row = int(P.q.row); L.q_head = int(P.q.head); L.q_batch = 0;
-  L.k = kc.data_ptr(); L.k_row = int(P.k.row); L.k_head = int(P.k.head); L.k_batch = 0;
-  L.v = vc.data_ptr(); L.v_row = int(P.v.row); L.v_head = int(P.v.head); L.v_batch = 0;
-  L.o = o_ptr;         L.o_row = int(P.o.row); L.o_head = int(P.o.head); L.o_batch = 0;
-  L.lse = lse_ptr; L.lse_head = int(P.lse_head); L.lse_batch = int(P.lse_batch);
+  L.q = qc.data_ptr(); L.q_row_stride = int(P.q.row); L.q_head_stride = int(P.q.head); L.q_batch_stride = 0;
+  L.k = kc.data_ptr(); L.k_row_stride = int(P.k.row); L.k_head_stride = int(P.k.head); L.k_batch_stride = 0;
+  L.v = vc.data_ptr(); L.v_row_stride = int(P.v.row); L.v_head_stride = int(P.v.head); L.v_batch_stride = 0;
+  L.o = o_ptr;         L.o_row_stride = int(P.o.row); L.o_head_stride = int(P.o.head); L.o_batch_stride = 0;
+  L.lse = lse_ptr; L.lse_head_stride = int(P.lse_head); L.lse_batch_stride = int(P.lse_batch);
   L.softmax_scale = P.scale;
   L.sm_count = dev.sm_count;
   L.causal_scheduler = P.causal_sched;
@@ -415,7 +416,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       Li.o = static_cast<char*>(L.o) + i * P.Sq * P.o.row * esz;
       Li.lse = L.lse + i * P.lse_launch;
     }
-    throw_on(fwd_launch(Li, stream), "forward kernel");
+    MLA_CUDA_CHECK(fwd_launch(Li, stream), "fmha_fwd_sm100: forward kernel launch (", Li.batch,
+                   " batches, max_seqlen_q ", Li.max_seqlen_q, ")");
   }
 
   if (P.out_staging) {

@@ -31,19 +31,19 @@ struct BwdKernelOf {
 };
 
 template <class Element, bool kMla, class MaskT>
-LaunchStatus run_bwd(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_bwd(BwdLaunch const& p, cudaStream_t stream) {
   using KO = BwdKernelOf<Element, kMla, MaskT>;
   using Kernel = typename KO::Kernel;
   using E = Element;
-  if (p.cu_q == nullptr || p.cu_k == nullptr) return LaunchStatus::fail("launch without cu_seqlens");
-  if (kMla && p.h_r != 1) return LaunchStatus::fail("the MLA backward kernel needs h_r == 1 (expand GQA first)");
+  if (p.cu_q == nullptr || p.cu_k == nullptr) return cudaErrorInvalidValue;  // launched without cu_seqlens
+  if (kMla && p.h_r != 1) return cudaErrorInvalidValue;  // the MLA kernel needs h_r == 1 (GQA expanded first)
   const int dqk = kMla ? 192 : 128, dvo = 128;
-  fc::VariableLength vq{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
-  fc::VariableLength vk{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
+  fc::VariableLength vq{p.max_seqlen_q, const_cast<int*>(p.cu_q), p.total_q};
+  fc::VariableLength vk{p.max_seqlen_k, const_cast<int*>(p.cu_k), p.total_k};
   const int H = p.h_r * p.h_k;
 
   cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
+  MLA_CUDA_TRY(cudaGetDevice(&hw.device_id));
   hw.sm_count = 0;
 
   typename Kernel::Arguments args;
@@ -53,15 +53,16 @@ LaunchStatus run_bwd(BwdLaunch const& p, cudaStream_t stream) {
     auto srow = make_stride(_1{}, make_stride(p.qp, p.qp * H));
     args = typename Kernel::Arguments{
         shape,
-        {static_cast<E const*>(p.q), s(p.q_row, p.q_head),
-         static_cast<E const*>(p.k), s(p.k_row, p.k_head),
-         static_cast<E const*>(p.v), s(p.v_row, p.v_head),
-         static_cast<E const*>(p.dout), s(p.do_row, p.do_head),
+        {static_cast<E const*>(p.q), s(p.q_row_stride, p.q_head_stride),
+         static_cast<E const*>(p.k), s(p.k_row_stride, p.k_head_stride),
+         static_cast<E const*>(p.v), s(p.v_row_stride, p.v_head_stride),
+         static_cast<E const*>(p.dout), s(p.do_row_stride, p.do_head_stride),
          p.scaled_lse, srow,
          p.neg_sum_odo, srow,
          p.dq_acc, make_stride(p.dp, _1{}, make_stride(p.dp * p.qp, p.dp * p.qp * H)),
          p.softmax_scale},
-        {static_cast<E*>(p.dk), s(p.dk_row, p.dk_head), static_cast<E*>(p.dv), s(p.dv_row, p.dv_head)},
+        {static_cast<E*>(p.dk), s(p.dk_row_stride, p.dk_head_stride),
+         static_cast<E*>(p.dv), s(p.dv_row_stride, p.dv_head_stride)},
         hw};
   } else {
     auto shape = cute::make_tuple(vq, vk, dqk, dvo, cute::make_tuple(cute::make_tuple(p.h_r, p.h_k), p.batch));
@@ -70,24 +71,25 @@ LaunchStatus run_bwd(BwdLaunch const& p, cudaStream_t stream) {
     auto srow = make_stride(_1{}, make_stride(make_stride(p.qp, p.qp * p.h_r), p.qp * H));
     args = typename Kernel::Arguments{
         shape,
-        {static_cast<E const*>(p.q), sq(p.q_row, p.q_head),
-         static_cast<E const*>(p.k), skv(p.k_row, p.k_head),
-         static_cast<E const*>(p.v), skv(p.v_row, p.v_head),
-         static_cast<E const*>(p.dout), sq(p.do_row, p.do_head),
+        {static_cast<E const*>(p.q), sq(p.q_row_stride, p.q_head_stride),
+         static_cast<E const*>(p.k), skv(p.k_row_stride, p.k_head_stride),
+         static_cast<E const*>(p.v), skv(p.v_row_stride, p.v_head_stride),
+         static_cast<E const*>(p.dout), sq(p.do_row_stride, p.do_head_stride),
          p.scaled_lse, srow,
          p.neg_sum_odo, srow,
          p.dq_acc, make_stride(p.dp, _1{}, make_stride(make_stride(p.dp * p.qp, p.dp * p.qp * p.h_r), p.dp * p.qp * H)),
          p.softmax_scale},
-        {static_cast<E*>(p.dk), skv(p.dk_row, p.dk_head), static_cast<E*>(p.dv), skv(p.dv_row, p.dv_head)},
+        {static_cast<E*>(p.dk), skv(p.dk_row_stride, p.dk_head_stride),
+         static_cast<E*>(p.dv), skv(p.dv_row_stride, p.dv_head_stride)},
         hw};
   }
-  if (!Kernel::can_implement(args)) return LaunchStatus::fail("CUTLASS can_implement rejected the problem");
+  if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
   return launch_kernel<Kernel>(params, stream);
 }
 
 template <class Element, bool kMla>
-LaunchStatus run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
   switch (p.mask) {
     case Mask::kNone: return run_bwd<Element, kMla, fc::ResidualMaskForBackward>(p, stream);
     case Mask::kCausalTopLeft:
@@ -95,13 +97,13 @@ LaunchStatus run_bwd_masks(BwdLaunch const& p, cudaStream_t stream) {
       // starts at tile 2j); the planner runs those calls with the equal bottom-right mask or refuses them,
       // so that variant is not compiled.
       if constexpr (kMla) {
-        return LaunchStatus::fail("top-left causal masking is not compiled for the MLA backward kernel");
+        return cudaErrorNotSupported;
       } else {
         return run_bwd<Element, kMla, fc::CausalForBackwardMask<true>>(p, stream);
       }
     case Mask::kCausalBottomRight: return run_bwd<Element, kMla, fc::CausalForBackwardMask<false>>(p, stream);
   }
-  return LaunchStatus::fail("unknown mask");
+  return cudaErrorInvalidValue;  // unknown mask
 }
 
 template <class Element, bool kMla>
@@ -123,7 +125,7 @@ int bwd_smem_masks(Mask m) {
 
 #define MLA_SM100_BWD_TU(NAME, ELEMENT, IS_MLA)                                                   \
   namespace mla_sm100 {                                                                          \
-  LaunchStatus NAME(BwdLaunch const& p, cudaStream_t stream) {                                   \
+  cudaError_t NAME(BwdLaunch const& p, cudaStream_t stream) {                                    \
     return run_bwd_masks<ELEMENT, IS_MLA>(p, stream);                                            \
   }                                                                                              \
   int NAME##_smem(Mask m) { return bwd_smem_masks<ELEMENT, IS_MLA>(m); }                         \

@@ -33,12 +33,10 @@ __global__ void __launch_bounds__(kCuThreads) sanitize_cu_kernel(CuSanitize p) {
   if (p.layout != CuLayout::kPlain) cu_chunk_layout(p, i0, i1);
 }
 
-LaunchStatus sanitize_cu(CuSanitize const& p, cudaStream_t stream) {
-  if (p.batch < 0) return LaunchStatus::fail("cu_seqlens sanitiser: negative batch");
+cudaError_t sanitize_cu(CuSanitize const& p, cudaStream_t stream) {
+  if (p.batch < 0) return cudaErrorInvalidValue;
   sanitize_cu_kernel<<<1, kCuThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return LaunchStatus::fail("cu_seqlens sanitiser kernel launch failed", e);
-  return LaunchStatus::ok();
+  return cudaGetLastError();
 }
 
 }  // namespace mla_sm100

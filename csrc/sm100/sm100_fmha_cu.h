@@ -97,8 +97,9 @@ MLA_SM100_HD void cu_chunk_layout(const CuSanitize& p, int i0, int i1) {
   }
 }
 
-// The kernel (sm100_fmha_cu.cuh; defined in each family's aux .cu): one block on `stream`.
-LaunchStatus sanitize_cu(CuSanitize const& p, cudaStream_t stream);
+// The kernel (sm100_fmha_cu.cuh; defined in each family's aux .cu): one block on `stream`; returns the
+// launch's error.
+cudaError_t sanitize_cu(CuSanitize const& p, cudaStream_t stream);
 
 // The kernel's steps run serially on the host, thread by thread (same chunks, same prefix maximum).
 inline void sanitize_cu_host(const CuSanitize& p) {

@@ -2,8 +2,6 @@
 // never copied) plus the arch guard and the launch helpers both SM100 families share.
 #pragma once
 
-#include <mutex>
-
 #include "cutlass/cutlass.h"
 #include "cutlass/arch/config.h"
 
@@ -18,49 +16,30 @@
 #include "cutlass/cluster_launch.hpp"
 #include "cutlass/device_kernel.h"
 
+#include "common/cuda_check.h"
 #include "sm100/sm100_fmha_launch.h"
 
 namespace mla_sm100 {
 
-// cudaFuncAttributeMaxDynamicSharedMemorySize is a per-device attribute: CUTLASS's FMHA sets it
-// once per process (static flag). We set it once per (kernel, device).
+// Launch a CUTLASS 3.x style kernel (device_kernel<Kernel>(Params)) on `stream`; returns the launch's
+// error (common/cuda_check.h). The dynamic shared memory attribute is set once per (kernel, device).
 template <class Kernel>
-inline cudaError_t ensure_smem_attribute(int smem_bytes) {
-  static std::mutex mu;
-  static bool done[64] = {};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  std::lock_guard<std::mutex> g(mu);
-  if (done[dev]) return cudaSuccess;
-  if (smem_bytes >= (48 << 10)) {
-    e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem_bytes);
-    if (e != cudaSuccess) return e;
-  }
-  done[dev] = true;
-  return cudaSuccess;
-}
-
-// Launch a CUTLASS 3.x style kernel (device_kernel<Kernel>(Params)) on `stream`.
-template <class Kernel>
-inline LaunchStatus launch_kernel(typename Kernel::Params const& params, cudaStream_t stream) {
+inline cudaError_t launch_kernel(typename Kernel::Params const& params, cudaStream_t stream) {
   int smem = Kernel::SharedStorageSize;
-  cudaError_t e = ensure_smem_attribute<Kernel>(smem);
-  if (e != cudaSuccess) return LaunchStatus::fail("cudaFuncSetAttribute(max dynamic smem) failed", e);
+  MLA_CUDA_TRY(mla::opt_in_dynamic_smem<cutlass::device_kernel<Kernel>>(smem));
   dim3 grid = Kernel::get_grid_shape(params);
   dim3 block = Kernel::get_block_shape();
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return LaunchStatus::ok();
-  if (grid.y > 65535u || grid.z > 65535u) return LaunchStatus::fail("grid.y/grid.z above 65535");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidConfiguration;
   dim3 cluster(cute::size<0>(typename Kernel::ClusterShape{}), cute::size<1>(typename Kernel::ClusterShape{}),
                cute::size<2>(typename Kernel::ClusterShape{}));
   void const* kernel = (void const*)cutlass::device_kernel<Kernel>;
   void* kernel_params[] = {const_cast<typename Kernel::Params*>(&params)};
   cutlass::Status st = cutlass::ClusterLauncher::launch(grid, cluster, block, smem, stream, kernel, kernel_params);
-  e = cudaGetLastError();
-  if (st != cutlass::Status::kSuccess || e != cudaSuccess) return LaunchStatus::fail("kernel launch failed", e);
-  return LaunchStatus::ok();
+  // A CUDA call that failed inside ClusterLauncher (its cudaFuncSetAttribute, the launch) left its error in the
+  // last-error slot; a kInvalid without one is its own check that the grid is a multiple of the cluster shape.
+  MLA_CUDA_TRY(cudaGetLastError());
+  return st == cutlass::Status::kSuccess ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
 }  // namespace mla_sm100

@@ -52,16 +52,16 @@ struct FwdKernelOf {
 };
 
 template <class Element, bool kMla, class MaskT, bool kCausalSched>
-LaunchStatus run_fwd(FwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_fwd(FwdLaunch const& p, cudaStream_t stream) {
   using KO = FwdKernelOf<Element, kMla, MaskT, kCausalSched>;
   using Kernel = typename KO::Kernel;
   typename KO::ProblemShape shape;
-  if (p.cu_q == nullptr || p.cu_k == nullptr) return LaunchStatus::fail("launch without cu_seqlens");
+  if (p.cu_q == nullptr || p.cu_k == nullptr) return cudaErrorInvalidValue;  // launched without cu_seqlens
   if (kCausalSched && (p.h_r * p.h_k) % fk::CausalIndividualTileScheduler::TileH != 0) {
-    return LaunchStatus::fail("the causal tile scheduler needs query heads in multiples of 8");
+    return cudaErrorInvalidValue;  // the causal tile scheduler needs query heads in multiples of 8
   }
-  get<0>(shape) = fc::VariableLength{p.max_q, const_cast<int*>(p.cu_q), p.total_q};
-  get<1>(shape) = fc::VariableLength{p.max_k, const_cast<int*>(p.cu_k), p.total_k};
+  get<0>(shape) = fc::VariableLength{p.max_seqlen_q, const_cast<int*>(p.cu_q), p.total_q};
+  get<1>(shape) = fc::VariableLength{p.max_seqlen_k, const_cast<int*>(p.cu_k), p.total_k};
   if constexpr (kMla) {
     get<2>(shape) = cute::make_tuple(128, 64);
   } else {
@@ -69,14 +69,19 @@ LaunchStatus run_fwd(FwdLaunch const& p, cudaStream_t stream) {
   }
   get<3>(shape) = cute::make_tuple(cute::make_tuple(p.h_r, p.h_k), p.batch);
 
-  typename KO::StrideQ sq = make_stride(p.q_row, _1{}, make_stride(make_stride(p.q_head, p.q_head * p.h_r), p.q_batch));
-  typename KO::StrideK sk = make_stride(p.k_row, _1{}, make_stride(make_stride(_0{}, p.k_head), p.k_batch));
-  typename KO::StrideV sv = make_stride(p.v_row, _1{}, make_stride(make_stride(_0{}, p.v_head), p.v_batch));
-  typename KO::StrideO so = make_stride(p.o_row, _1{}, make_stride(make_stride(p.o_head, p.o_head * p.h_r), p.o_batch));
-  typename KO::StrideLSE sl = make_stride(_1{}, make_stride(make_stride(p.lse_head, p.lse_head * p.h_r), p.lse_batch));
+  typename KO::StrideQ sq = make_stride(p.q_row_stride, _1{},
+                                        make_stride(make_stride(p.q_head_stride, p.q_head_stride * p.h_r), p.q_batch_stride));
+  typename KO::StrideK sk =
+      make_stride(p.k_row_stride, _1{}, make_stride(make_stride(_0{}, p.k_head_stride), p.k_batch_stride));
+  typename KO::StrideV sv =
+      make_stride(p.v_row_stride, _1{}, make_stride(make_stride(_0{}, p.v_head_stride), p.v_batch_stride));
+  typename KO::StrideO so = make_stride(p.o_row_stride, _1{},
+                                        make_stride(make_stride(p.o_head_stride, p.o_head_stride * p.h_r), p.o_batch_stride));
+  typename KO::StrideLSE sl =
+      make_stride(_1{}, make_stride(make_stride(p.lse_head_stride, p.lse_head_stride * p.h_r), p.lse_batch_stride));
 
   cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
+  MLA_CUDA_TRY(cudaGetDevice(&hw.device_id));
   hw.sm_count = p.sm_count;
 
   using E = Element;
@@ -86,16 +91,16 @@ LaunchStatus run_fwd(FwdLaunch const& p, cudaStream_t stream) {
        p.softmax_scale, 1.0f, 1.0f, 1.0f, 1.0f},
       {static_cast<E*>(p.o), so, p.lse, sl},
       hw};
-  if (!Kernel::can_implement(args)) return LaunchStatus::fail("CUTLASS can_implement rejected the problem");
+  if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
   return launch_kernel<Kernel>(params, stream);
 }
 
 template <class Element, bool kMla>
-LaunchStatus run_fwd_masks(FwdLaunch const& p, cudaStream_t stream) {
+cudaError_t run_fwd_masks(FwdLaunch const& p, cudaStream_t stream) {
   switch (p.mask) {
     case Mask::kNone:
-      if (p.causal_scheduler) return LaunchStatus::fail("the causal tile scheduler needs a causal mask");
+      if (p.causal_scheduler) return cudaErrorInvalidValue;  // the causal tile scheduler needs a causal mask
       return run_fwd<Element, kMla, fc::ResidualMask, false>(p, stream);
     case Mask::kCausalTopLeft:
       return p.causal_scheduler ? run_fwd<Element, kMla, fc::CausalMask<true>, true>(p, stream)
@@ -104,7 +109,7 @@ LaunchStatus run_fwd_masks(FwdLaunch const& p, cudaStream_t stream) {
       return p.causal_scheduler ? run_fwd<Element, kMla, fc::CausalMask<false>, true>(p, stream)
                                 : run_fwd<Element, kMla, fc::CausalMask<false>, false>(p, stream);
   }
-  return LaunchStatus::fail("unknown mask");
+  return cudaErrorInvalidValue;  // unknown mask
 }
 
 template <class Element, bool kMla>
@@ -122,7 +127,7 @@ int fwd_smem_masks(Mask m) {
 // One translation unit = one (dtype, head dims) with its three masks.
 #define MLA_SM100_FWD_TU(NAME, ELEMENT, IS_MLA)                                                   \
   namespace mla_sm100 {                                                                          \
-  LaunchStatus NAME(FwdLaunch const& p, cudaStream_t stream) {                                   \
+  cudaError_t NAME(FwdLaunch const& p, cudaStream_t stream) {                                    \
     return run_fwd_masks<ELEMENT, IS_MLA>(p, stream);                                            \
   }                                                                                              \
   int NAME##_smem(Mask m) { return fwd_smem_masks<ELEMENT, IS_MLA>(m); }                         \

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <torch/extension.h>
-#include <c10/cuda/CUDAException.h>
 
 #include <cstdint>
 #include <limits>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/cuda_check.h"
 #include "common/device_info.h"
 #include "sm100/sm100_fmha_cu.h"
 #include "sm100/sm100_fmha_launch.h"
@@ -113,23 +113,19 @@ inline py::tuple tup(std::initializer_list<py::object> xs) {
 }
 inline py::object I(int64_t v) { return py::int_(v); }
 
-inline void throw_on(LaunchStatus const& s, const char* what) {
-  MLA_CHECK(s.code == 0, "mla_autograd sm100: ", what, ": ", s.msg,
-              s.cuda != cudaSuccess ? std::string(" (") + cudaGetErrorString(s.cuda) + ")" : std::string());
-}
-
 // The launched cu_seqlens (sm100_fmha_cu.h), made on `stream` from the caller's int32 (B + 1) tensors:
-// sanitised (clamped into [0, rows], non-decreasing) and laid out; no host synchronisation.
+// sanitised (clamped into [0, rows], non-decreasing) and laid out; no host synchronisation. `family` names
+// the caller in a launch error.
 inline std::pair<at::Tensor, at::Tensor> launched_cu(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t B,
                                                      int64_t rows_q, int64_t rows_k, CuLayout layout,
-                                                     cudaStream_t stream) {
+                                                     cudaStream_t stream, const char* family) {
   const int64_t n = B + 1, e = cu_entries(layout, B);
   const bool plain = layout == CuLayout::kPlain;
   at::Tensor buf = at::empty({2 * n + (plain ? 0 : 2 * e)}, cu_q.options());
   int* base = buf.data_ptr<int>();
   CuSanitize p{cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), int(B), int(rows_q), int(rows_k), layout,
                base, base + n, plain ? base : base + 2 * n, plain ? base + n : base + 2 * n + e};
-  throw_on(sanitize_cu(p, stream), "cu_seqlens sanitiser");
+  MLA_CUDA_CHECK(sanitize_cu(p, stream), family, ": cu_seqlens sanitiser launch");
   return plain ? std::make_pair(buf.narrow(0, 0, n), buf.narrow(0, n, n))
                : std::make_pair(buf.narrow(0, 2 * n, e), buf.narrow(0, 2 * n + e, e));
 }

@@ -1,6 +1,7 @@
 // Plain C++ interface between the host api (.cpp, compiled by the host compiler, no CUTLASS) and the
 // SM100 kernel instantiations (.cu, compiled for sm_100a only). Shared by fmha_fwd_sm100 and
-// fmha_bwd_sm100. Everything here is host-side data; nothing in this header launches work.
+// fmha_bwd_sm100. Everything here is host-side data; nothing in this header launches work. Every
+// launcher declared here returns its cudaError_t, which the host api checks (common/cuda_check.h).
 #pragma once
 
 #include <cstdint>
@@ -23,38 +24,26 @@ inline const char* mask_name(Mask m) {
 inline const char* dtype_name(DType d) { return d == DType::kBF16 ? "bf16" : "fp16"; }
 inline const char* head_dims_name(HeadDims h) { return h == HeadDims::kMla192x128 ? "192x128" : "128x128"; }
 
-// Result of a launcher: code 0 = launched; otherwise msg says why (no kernel was started, or the
-// launch itself failed with `cuda`).
-struct LaunchStatus {
-  int code = 0;
-  cudaError_t cuda = cudaSuccess;
-  const char* msg = "";
-  static LaunchStatus ok() { return {}; }
-  static LaunchStatus fail(const char* m, cudaError_t e = cudaSuccess) {
-    LaunchStatus s; s.code = 1; s.cuda = e; s.msg = m; return s;
-  }
-};
-
 // ---------------------------------------------------------------------------------------------
 // Forward: one launch of the CUTLASS example-77 forward kernel.
 // Strides are in elements and already validated to fit in int32 by the host planner.
 // Always the variable-length problem shape (dense = cu_seqlens arange * S): batch strides are 0
-// for q/k/v/o and rows are offset by cu[b]; lse rows are offset by cu[b] too, plus b * lse_batch.
+// for q/k/v/o and rows are offset by cu[b]; lse rows are offset by cu[b] too, plus b * lse_batch_stride.
 struct FwdLaunch {
   DType dtype;
   HeadDims head_dims;
   Mask mask;
-  int max_q, max_k;  // >= every sequence length (max_q sets the grid)
+  int max_seqlen_q, max_seqlen_k;  // >= every sequence length (max_seqlen_q sets the grid)
   int total_q, total_k;  // rows of q / k (TMA extents)
   int batch;        // batches in the launch (after the cu_seqlens rewrite)
   int h_r, h_k;     // query heads = h_r * h_k; query head h uses kv head h / h_r
   const int* cu_q;  // device, batch + 1 entries
   const int* cu_k;
-  const void* q; int q_row, q_head, q_batch;     // q[b][s][h][d], h stride q_head (h = h_r + h_r_count * h_k)
-  const void* k; int k_row, k_head, k_batch;     // per kv head
-  const void* v; int v_row, v_head, v_batch;
-  void* o;       int o_row, o_head, o_batch;
-  float* lse;    int lse_head, lse_batch;        // lse row (sequence) stride is 1
+  const void* q; int q_row_stride, q_head_stride, q_batch_stride;  // q[b][s][h][d] (h = h_r + h_r_count * h_k)
+  const void* k; int k_row_stride, k_head_stride, k_batch_stride;  // per kv head
+  const void* v; int v_row_stride, v_head_stride, v_batch_stride;
+  void* o;       int o_row_stride, o_head_stride, o_batch_stride;
+  float* lse;    int lse_head_stride, lse_batch_stride;             // lse row (sequence) stride is 1
   float softmax_scale;
   int sm_count;
   // example 77's CausalIndividualTileScheduler (causal masks, query heads a multiple of 8); else the
@@ -64,11 +53,11 @@ struct FwdLaunch {
 
 // Shared memory (bytes) the kernel of a variant needs; 0 if the variant is not compiled in.
 int fwd_smem_bytes(DType dt, HeadDims hd, Mask m);
-LaunchStatus fwd_launch(FwdLaunch const& p, cudaStream_t stream);
+cudaError_t fwd_launch(FwdLaunch const& p, cudaStream_t stream);
 
 // per-translation-unit entry points (one per (dtype, head dims)), dispatching on mask
 #define MLA_SM100_FWD_DECL(NAME)                                   \
-  LaunchStatus NAME(FwdLaunch const& p, cudaStream_t stream);      \
+  cudaError_t NAME(FwdLaunch const& p, cudaStream_t stream);       \
   int NAME##_smem(Mask m);
 MLA_SM100_FWD_DECL(fwd_bf16_mla)
 MLA_SM100_FWD_DECL(fwd_bf16_mha)
@@ -83,26 +72,26 @@ struct BwdLaunch {
   DType dtype;
   HeadDims head_dims;
   Mask mask;
-  int max_q, max_k, total_q, total_k;
+  int max_seqlen_q, max_seqlen_k, total_q, total_k;
   int batch;
   int h_r, h_k;               // MLA kernel: h_r must be 1 (the api expands GQA)
   const int* cu_q; const int* cu_k;
-  const void* q;  int q_row, q_head;
-  const void* k;  int k_row, k_head;
-  const void* v;  int v_row, v_head;
-  const void* dout; int do_row, do_head;
-  void* dk; int dk_row, dk_head;
-  void* dv; int dv_row, dv_head;
+  const void* q;  int q_row_stride, q_head_stride;
+  const void* k;  int k_row_stride, k_head_stride;
+  const void* v;  int v_row_stride, v_head_stride;
+  const void* dout; int do_row_stride, do_head_stride;
+  void* dk; int dk_row_stride, dk_head_stride;
+  void* dv; int dv_row_stride, dv_head_stride;
   // workspace (ours): [b][h][qp] scaled lse, [b][h][qp] -sum(O*dO), [b][h][qp][dp] fp32 dQ
   const float* scaled_lse; const float* neg_sum_odo; float* dq_acc;
-  int qp, dp;                 // padded max_q (round 8) and padded d_qk (round 8)
+  int qp, dp;                 // padded max_seqlen_q (round 8) and padded d_qk (round 8)
   float softmax_scale;
 };
 int bwd_smem_bytes(DType dt, HeadDims hd, Mask m);
-LaunchStatus bwd_launch(BwdLaunch const& p, cudaStream_t stream);
+cudaError_t bwd_launch(BwdLaunch const& p, cudaStream_t stream);
 
 #define MLA_SM100_BWD_DECL(NAME)                                   \
-  LaunchStatus NAME(BwdLaunch const& p, cudaStream_t stream);      \
+  cudaError_t NAME(BwdLaunch const& p, cudaStream_t stream);       \
   int NAME##_smem(Mask m);
 MLA_SM100_BWD_DECL(bwd_bf16_mla)
 MLA_SM100_BWD_DECL(bwd_bf16_mha)
@@ -116,25 +105,25 @@ MLA_SM100_BWD_DECL(bwd_fp16_mha)
 // with rows q in [len_q(b), qp) zeroed. Offsets in int64.
 struct BwdPrep {
   DType dtype;
-  int batch, heads, d_vo, qp;
+  int batch, hq, d_vo, qp;
   const int* cu_q;                    // absolute row offsets of the batch (device)
-  const void* o;  int64_t o_row, o_head;
-  const void* dout; int64_t do_row, do_head;
-  // lse element of (b, h, q): lse[(lse_rows_from_cu ? cu[b] + q : q) + b * lse_batch + h * lse_head]
-  const float* lse; int64_t lse_head, lse_batch; bool lse_rows_from_cu;
+  const void* o;  int64_t o_row_stride, o_head_stride;
+  const void* dout; int64_t do_row_stride, do_head_stride;
+  // lse element of (b, h, q): lse[(lse_rows_from_cu ? cu[b] + q : q) + b * lse_batch_stride + h * lse_head_stride]
+  const float* lse; int64_t lse_head_stride, lse_batch_stride; bool lse_rows_from_cu;
   float* scaled_lse; float* neg_sum_odo;
 };
-LaunchStatus bwd_prep_launch(BwdPrep const& p, cudaStream_t stream);
+cudaError_t bwd_prep_launch(BwdPrep const& p, cudaStream_t stream);
 
 // dQ[cu[b] + q][h][d] = scale * dq_acc[b][h][q][d] for q < len_q(b), d < d_qk.
 struct BwdConvert {
   DType dtype;
-  int batch, heads, d_qk, qp, dp, max_q;
+  int batch, hq, d_qk, qp, dp, max_seqlen_q;
   const int* cu_q;
   const float* dq_acc;
-  void* dq; int64_t dq_row, dq_head;
+  void* dq; int64_t dq_row_stride, dq_head_stride;
   float scale;
 };
-LaunchStatus bwd_convert_launch(BwdConvert const& p, cudaStream_t stream);
+cudaError_t bwd_convert_launch(BwdConvert const& p, cudaStream_t stream);
 
 }  // namespace mla_sm100

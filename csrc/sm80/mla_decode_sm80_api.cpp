@@ -7,7 +7,6 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
 #include <climits>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/cuda_check.h"
 #include "common/device_info.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
@@ -251,24 +251,24 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
 
   mds::DecodeParams p{};
   p.q_nope = q_nope.data_ptr(); p.q_pe = q_pe.data_ptr();
-  p.qn_stride_b = q_nope.stride(0); p.qn_stride_s = q_nope.stride(1); p.qn_stride_h = q_nope.stride(2);
-  p.qp_stride_b = q_pe.stride(0); p.qp_stride_s = q_pe.stride(1); p.qp_stride_h = q_pe.stride(2);
+  p.qn_batch_stride = q_nope.stride(0); p.qn_row_stride = q_nope.stride(1); p.qn_head_stride = q_nope.stride(2);
+  p.qp_batch_stride = q_pe.stride(0); p.qp_row_stride = q_pe.stride(1); p.qp_head_stride = q_pe.stride(2);
   p.ckv = ckv_cache.data_ptr(); p.kpe = kpe_cache.data_ptr();
-  p.ckv_stride_page = ckv_cache.stride(0); p.ckv_stride_row = ckv_cache.stride(1);
-  p.kpe_stride_page = kpe_cache.stride(0); p.kpe_stride_row = kpe_cache.stride(1);
-  p.block_table = block_table.data_ptr<int>(); p.bt_stride_b = block_table.stride(0);
+  p.ckv_page_stride = ckv_cache.stride(0); p.ckv_row_stride = ckv_cache.stride(1);
+  p.kpe_page_stride = kpe_cache.stride(0); p.kpe_row_stride = kpe_cache.stride(1);
+  p.block_table = block_table.data_ptr<int>(); p.bt_batch_stride = block_table.stride(0);
   p.max_pages = int(block_table.size(1));
   p.num_pages = int(std::min<int64_t>(P, INT32_MAX));  // block_table entries are int32: no id reaches past that
   p.kv_capacity = int(std::min<int64_t>(int64_t(p.max_pages) * page_size, INT32_MAX));
   p.seqlens = cache_seqlens.data_ptr<int>();
-  p.out = out.data_ptr(); p.o_stride_b = out.stride(0); p.o_stride_s = out.stride(1); p.o_stride_h = out.stride(2);
-  p.lse = lse.data_ptr<float>(); p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
+  p.out = out.data_ptr(); p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+  p.lse = lse.data_ptr<float>(); p.lse_batch_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
   p.ws_o = ws_base; p.ws_lse = ws_base + ws_o_numel;
   p.sched_items = sched_ptr; p.sched_reqs = p.sched_items + num_items * 4;
   p.num_items = int(num_items); p.num_parts = ls.num_parts;
   p.min_tiles = ls.min_tiles;
   p.force_splits = int(force_splits);
-  p.B = int(B); p.Sq = int(Sq); p.H = int(H);
+  p.batch = int(B); p.seqlen_q = int(Sq); p.hq = int(H);
   p.page_size = int(page_size);
   int lg = 0; while ((int64_t(1) << lg) < page_size) ++lg;
   p.log2_page = lg;
@@ -284,10 +284,10 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
   // metadata kernel would write); larger ones run the metadata kernel first.
   p.sched_inline = !schedule.has_value() && B <= mds::kInlineScheduleMaxBatch ? 1 : 0;
   // Per-CTA timer stamps of the main kernel's (m-block, item) grid: null unless built with -DMLA_DECODE_STAMPS.
-  p.stamps = mds::stamps_for_launch(int64_t(num_mblocks) * num_items, stream);
+  MLA_CUDA_CHECK(mds::stamps_for_launch(int64_t(num_mblocks) * num_items, stream, &p.stamps),
+                 "mla_decode_sm80: stamp buffer");
   if (!schedule.has_value() && !p.sched_inline) {
-    mds::launch_metadata(p, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    MLA_CUDA_CHECK(mds::launch_metadata(p, stream), "mla_decode_sm80: metadata kernel launch");
   }
   // With a precomputed schedule the main kernel is still a programmatic dependent (p.pdl) of whatever
   // kernel precedes it on the stream (another layer's merge kernel, an unrelated op, or the metadata kernel
@@ -296,10 +296,9 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
   // or a predecessor that already finished); a predecessor that never calls launch_dependents only lets it
   // launch at completion. The schedule was written by a metadata kernel earlier on this stream (the stream
   // orders it, or the caller's event does when it came from another stream), so it is complete when read.
-  mds::launch_decode(p, m_tile, bf16, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  mds::launch_combine(p, bf16, prop.sm_count, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MLA_CUDA_CHECK(mds::launch_decode(p, m_tile, bf16, stream), "mla_decode_sm80: main kernel launch (m_tile ", m_tile,
+                 ws ? ", warp-specialized" : "", ")");
+  MLA_CUDA_CHECK(mds::launch_combine(p, bf16, prop.sm_count, stream), "mla_decode_sm80: merge kernel launch");
   return {out, lse};
 }
 
@@ -371,13 +370,12 @@ at::Tensor schedule_impl(const at::Tensor& cache_seqlens, int64_t seqlen_q, int6
   mds::DecodeParams p{};
   p.seqlens = cache_seqlens.data_ptr<int>();
   p.kv_capacity = INT32_MAX;  // no block_table here: decode clamps the schedule's ranges to its own capacity
-  p.B = int(B); p.Sq = int(seqlen_q); p.H = int(num_heads);
+  p.batch = int(B); p.seqlen_q = int(seqlen_q); p.hq = int(num_heads);
   p.sched_items = sched.data_ptr<int>(); p.sched_reqs = p.sched_items + ls.num_items * 4;
   p.num_items = int(ls.num_items); p.num_parts = ls.num_parts; p.min_tiles = ls.min_tiles;
   p.force_splits = int(num_splits);
   p.pdl = (prop.major >= 9 && opt.pdl) ? 1 : 0;
-  mds::launch_metadata(p, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MLA_CUDA_CHECK(mds::launch_metadata(p, stream), "mla_decode_sm80: decode_schedule: metadata kernel launch");
   return sched;
 }
 
@@ -427,8 +425,9 @@ at::Tensor read_stamps() {
   unsigned long long* ptr = mds::stamps_last(&ctas);
   if (ptr == nullptr || ctas == 0) return at::empty({0, mds::kStampSlots}, at::TensorOptions().dtype(at::kLong));
   std::vector<int64_t> host(size_t(ctas) * mds::kStampSlots);
-  C10_CUDA_CHECK(cudaDeviceSynchronize());
-  C10_CUDA_CHECK(cudaMemcpy(host.data(), ptr, host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  MLA_CUDA_CHECK(cudaDeviceSynchronize(), "mla_decode_sm80: read_stamps: synchronising");
+  MLA_CUDA_CHECK(cudaMemcpy(host.data(), ptr, host.size() * sizeof(int64_t), cudaMemcpyDeviceToHost),
+                 "mla_decode_sm80: read_stamps: copying the stamps");
   return at::tensor(host, at::TensorOptions().dtype(at::kLong)).view({ctas, mds::kStampSlots});
 }
 

@@ -49,8 +49,8 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float a,
 template <typename Elem>
 __device__ __forceinline__ void merge_slice(const DecodeParams& p, int b, int grow, int q, int first, int ns) {
   const int lane = threadIdx.x & 31;
-  const int rows = p.Sq * p.H;
-  const int t = grow / p.H, h = grow % p.H;
+  const int rows = p.seqlen_q * p.hq;
+  const int t = grow / p.hq, h = grow % p.hq;
   const float* lse_p = p.ws_lse + (long long)first * rows + grow;
   const float4* src =
       reinterpret_cast<const float4*>(p.ws_o + ((long long)first * rows + grow) * kDimCkv + q * kCombineSliceDims) + lane;
@@ -83,9 +83,9 @@ __device__ __forceinline__ void merge_slice(const DecodeParams& p, int b, int gr
     m = nm;
   }
 
-  Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_stride_b + (long long)t * p.o_stride_s +
-              (long long)h * p.o_stride_h + q * kCombineSliceDims + lane * 4;
-  float* lse_out = p.lse + (long long)b * p.lse_stride_b + (long long)h * p.lse_stride_h + t;
+  Elem* out = reinterpret_cast<Elem*>(p.out) + (long long)b * p.o_batch_stride + (long long)t * p.o_row_stride +
+              (long long)h * p.o_head_stride + q * kCombineSliceDims + lane * 4;
+  float* lse_out = p.lse + (long long)b * p.lse_batch_stride + (long long)h * p.lse_head_stride + t;
   if (m == -INFINITY) {  // an all-empty row: out 0, lse -inf
     store4<Elem>(out, 0.f, 0.f, 0.f, 0.f);
     if (q == 0 && lane == 0) *lse_out = -INFINITY;
@@ -112,8 +112,8 @@ template <typename Elem>
 __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(const DecodeParams p) {
   __shared__ int2 s_req[kInlineScheduleMaxBatch];  // inline schedule: (first item, splits) per request
   const int lane = threadIdx.x;
-  const int rows = p.Sq * p.H;
-  const long long units = (long long)p.B * rows * kCombineSlices, G = gridDim.x;
+  const int rows = p.seqlen_q * p.hq;
+  const long long units = (long long)p.batch * rows * kCombineSlices, G = gridDim.x;
   if (p.sched_inline) {
     warp_request_splits(
         p, [&](int b, int first, int s, int) { s_req[b] = make_int2(first, s); }, [](int) { return true; });
@@ -138,12 +138,13 @@ __global__ void __launch_bounds__(kCombineThreads) mla_decode_combine_kernel(con
   }
 }
 
-void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream) {
-  const long long units = (long long)p.B * p.Sq * p.H * kCombineSlices;
-  if (units == 0) return;
+cudaError_t launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream) {
+  const long long units = (long long)p.batch * p.seqlen_q * p.hq * kCombineSlices;
+  if (units == 0) return cudaSuccess;
   const unsigned blocks = unsigned(std::min<long long>(units, (long long)num_sms * kCombineCtasPerSm));
-  if (is_bf16) launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p);
-  else launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
+  return is_bf16
+             ? launch_dependent(mla_decode_combine_kernel<__nv_bfloat16>, dim3(blocks), kCombineThreads, 0, stream, p)
+             : launch_dependent(mla_decode_combine_kernel<__half>, dim3(blocks), kCombineThreads, 0, stream, p);
 }
 
 }  // namespace mla_decode_sm80

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end;
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
   const int L = request_len(p, b);
-  const int rows_total = p.Sq * p.H;
+  const int rows_total = p.seqlen_q * p.hq;
   const int row0 = mblock * 64;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -255,8 +255,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_groups_kernel(const De
 }
 
 template <typename Elem>
-void launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_groups_kernel<Elem>, GroupsConfig::smem_bytes(), stream, p);
+cudaError_t launch_decode_groups(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_groups_kernel<Elem>>(GroupsConfig::smem_bytes(), stream, p);
 }
 
 }  // namespace mla_decode_sm80

@@ -202,7 +202,7 @@ __device__ __forceinline__ WorkItem work_item(const DecodeParams& p, int item) {
 template <int BN = kBlockN, int RING = kPageRing>
 __device__ __forceinline__ void stage_page_ids(const DecodeParams& p, const WorkItem& w, int* sPage, int n_pre,
                                                int tid, int nthreads) {
-  const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
+  const int* bt = p.block_table + int64_t(w.b) * p.bt_batch_stride;
   for (int idx = tid; idx < n_pre * BN; idx += nthreads) {
     const int t = idx / BN, r = idx % BN;
     const int tok = w.kv_begin + t * BN + r;
@@ -215,7 +215,7 @@ template <int BN = kBlockN, int RING = kPageRing>
 __device__ __forceinline__ void load_page_ids_async(const DecodeParams& p, const WorkItem& w, uint32_t sPage_a, int tile,
                                                     int tid) {
   if (tid < BN) {
-    const int* bt = p.block_table + int64_t(w.b) * p.bt_stride_b;
+    const int* bt = p.block_table + int64_t(w.b) * p.bt_batch_stride;
     const int tok = w.kv_begin + tile * BN + tid;
     const bool ok = tok < w.kv_end;
     cp_async4(sPage_a + ((tile % RING) * BN + tid) * 4,
@@ -230,13 +230,13 @@ template <typename Elem, int PVN>
 __device__ __forceinline__ void store_out_row(const DecodeParams& p, const WorkItem& w, int item, int grow, int col0,
                                               int q4, const float (&o)[PVN][4], int hh, float inv) {
   if (w.final_out) {
-    const int t = grow / p.H, h = grow - t * p.H;
-    Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(w.b) * p.o_stride_b + int64_t(t) * p.o_stride_s + int64_t(h) * p.o_stride_h;
+    const int t = grow / p.hq, h = grow - t * p.hq;
+    Elem* out = reinterpret_cast<Elem*>(p.out) + int64_t(w.b) * p.o_batch_stride + int64_t(t) * p.o_row_stride + int64_t(h) * p.o_head_stride;
 #pragma unroll
     for (int nt = 0; nt < PVN; ++nt)
       *reinterpret_cast<uint32_t*>(out + col0 + nt * 8 + 2 * q4) = pack2<Elem>(o[nt][2 * hh] * inv, o[nt][2 * hh + 1] * inv);
   } else {
-    float* wo = p.ws_o + (int64_t(item) * p.Sq * p.H + grow) * kDimCkv;
+    float* wo = p.ws_o + (int64_t(item) * p.seqlen_q * p.hq + grow) * kDimCkv;
 #pragma unroll
     for (int nt = 0; nt < PVN; ++nt)
       *reinterpret_cast<float2*>(wo + col0 + nt * 8 + 2 * q4) = make_float2(o[nt][2 * hh] * inv, o[nt][2 * hh + 1] * inv);
@@ -246,11 +246,11 @@ __device__ __forceinline__ void store_out_row(const DecodeParams& p, const WorkI
 // The LSE of row grow (lse2 in base 2): natural log into lse, or base 2 into the split workspace.
 __device__ __forceinline__ void store_lse(const DecodeParams& p, const WorkItem& w, int item, int grow, float lse2) {
   if (w.final_out) {
-    const int t = grow / p.H, h = grow - t * p.H;
+    const int t = grow / p.hq, h = grow - t * p.hq;
     constexpr float kLn2 = 0.6931471805599453f;
-    p.lse[int64_t(w.b) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + t] = lse2 * kLn2;
+    p.lse[int64_t(w.b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + t] = lse2 * kLn2;
   } else {
-    p.ws_lse[int64_t(item) * p.Sq * p.H + grow] = lse2;
+    p.ws_lse[int64_t(item) * p.seqlen_q * p.hq + grow] = lse2;
   }
 }
 
@@ -278,8 +278,8 @@ __device__ __forceinline__ void qk_row_limits(const DecodeParams& p, int grow0, 
   for (int hh = 0; hh < 2; ++hh) {
     const int grow = grow0 + hh * 8;
     int l = kv_end - 1;
-    if (p.causal) l = min(l, L - p.Sq + grow / p.H);
-    lim[hh] = grow < p.Sq * p.H ? l : -1;
+    if (p.causal) l = min(l, L - p.seqlen_q + grow / p.hq);
+    lim[hh] = grow < p.seqlen_q * p.hq ? l : -1;
   }
 }
 
@@ -326,7 +326,7 @@ struct RowLoader {
       const int r = lw + NLW * k;
       const int tok = tok0 + r;
       const bool ok = page_in_cache(p, pg[k]) && tok < kv_end;
-      const Elem* src = cache_row(ckv_lane, pg[k], tok & page_mask, p.ckv_stride_page, p.ckv_stride_row);
+      const Elem* src = cache_row(ckv_lane, pg[k], tok & page_mask, p.ckv_page_stride, p.ckv_row_stride);
       const uint32_t d = dst + r * kRowBytes;
       cp_async16(d + col0[k % kPar], src, ok);
       cp_async16(d + col1[k % kPar], src + 256, ok);
@@ -336,7 +336,7 @@ struct RowLoader {
       const int r = kpe_row + 4 * NLW * k;
       const int tok = tok0 + r;
       const bool ok = page_in_cache(p, pgk[k]) && tok < kv_end;
-      const Elem* src = cache_row(kpe_lane, pgk[k], tok & page_mask, p.kpe_stride_page, p.kpe_stride_row);
+      const Elem* src = cache_row(kpe_lane, pgk[k], tok & page_mask, p.kpe_page_stride, p.kpe_row_stride);
       cp_async16(dst + kpe_dst + 4 * NLW * k * kRowBytes, src, ok);
     }
   }
@@ -348,14 +348,14 @@ template <typename Elem, int M_TILE, int NTHREADS = kThreads>
 __device__ __forceinline__ void load_q_tile(const DecodeParams& p, int b, int row0, uint32_t sQ_a, int tid) {
   const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
   const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
-  const int rows_total = p.Sq * p.H;
+  const int rows_total = p.seqlen_q * p.hq;
   for (int idx = tid; idx < M_TILE * 72; idx += NTHREADS) {
     const int r = idx / 72, c = idx % 72;
     const int grow = row0 + r;
     const bool ok = grow < rows_total;
-    const int t = ok ? grow / p.H : 0, h = ok ? grow % p.H : 0;
-    const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_stride_b + int64_t(t) * p.qn_stride_s + int64_t(h) * p.qn_stride_h + c * 8
-                             : qp + int64_t(b) * p.qp_stride_b + int64_t(t) * p.qp_stride_s + int64_t(h) * p.qp_stride_h + (c - 64) * 8;
+    const int t = ok ? grow / p.hq : 0, h = ok ? grow % p.hq : 0;
+    const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_batch_stride + int64_t(t) * p.qn_row_stride + int64_t(h) * p.qn_head_stride + c * 8
+                             : qp + int64_t(b) * p.qp_batch_stride + int64_t(t) * p.qp_row_stride + int64_t(h) * p.qp_head_stride + (c - 64) * 8;
     cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
   }
 }
@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
   const int n_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;  // steps of BN tokens
   const int L = request_len(p, b);
   const int stages = p.stages;
-  const int rows_total = p.Sq * p.H;
+  const int rows_total = p.seqlen_q * p.hq;
   const int row0 = mblock * M_TILE;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
       const int tok = tok0 + r;
       int page = pid[r];
       const bool ok = page_in_cache(p, page) && tok < kv_end;
-      const int64_t off = int64_t(page) * p.ckv_stride_page + int64_t(tok & page_mask) * p.ckv_stride_row + c * 8;
+      const int64_t off = int64_t(page) * p.ckv_page_stride + int64_t(tok & page_mask) * p.ckv_row_stride + c * 8;
       cp_async16(dst + swz(r, c * 8), ok ? static_cast<const void*>(ckv + off) : p.ckv, ok);
     }
 #pragma unroll
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
         const int tok = tok0 + r;
         int page = pid[r];
         const bool ok = page_in_cache(p, page) && tok < kv_end;
-        const int64_t off = int64_t(page) * p.kpe_stride_page + int64_t(tok & page_mask) * p.kpe_stride_row + cc * 8;
+        const int64_t off = int64_t(page) * p.kpe_page_stride + int64_t(tok & page_mask) * p.kpe_row_stride + cc * 8;
         cp_async16(dst + swz(r, kDimCkv + cc * 8), ok ? static_cast<const void*>(kpe + off) : p.kpe, ok);
       }
     }
@@ -768,8 +768,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig<M_TILE>::kMinBlocks) mla_
 namespace mla_decode_sm80 {
 
 template <typename Elem, int M_TILE>
-void launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_kernel<Elem, M_TILE>, TileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
+cudaError_t launch_decode_tile(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_kernel<Elem, M_TILE>>(TileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80

@@ -14,6 +14,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "common/cuda_check.h"
 #include "sm80/mla_decode_sm80_config.h"
 #include "sm80/mla_decode_sm80_params.h"
 
@@ -31,10 +32,10 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Launch kernel(p) on `stream`, as a programmatic dependent of the previous kernel when p.pdl.
-// Errors are left for the caller's cudaGetLastError().
+// Launch kernel(p) on `stream`, as a programmatic dependent of the previous kernel when p.pdl; returns the
+// launch's error (common/cuda_check.h).
 template <typename Kernel>
-inline void launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+inline cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
                              const DecodeParams& p) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -46,15 +47,15 @@ inline void launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cu
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  (void)cudaLaunchKernelEx(&cfg, kernel, p);
+  return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// Launch a main kernel over the (m-block, item) grid with `smem` bytes of dynamic shared memory (every variant
-// asks for more than the 48 KB default, so the attribute is set before each launch).
-template <typename Kernel>
-inline void launch_main_kernel(Kernel kernel, int smem, cudaStream_t stream, const DecodeParams& p) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return;
-  launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
+// Launch main kernel kKernel over the (m-block, item) grid with `smem` bytes of dynamic shared memory (every
+// variant asks for more than the 48 KB default: the kernel is opted in to it once per device and size).
+template <auto kKernel>
+inline cudaError_t launch_main_kernel(int smem, cudaStream_t stream, const DecodeParams& p) {
+  MLA_CUDA_TRY(mla::opt_in_dynamic_smem<kKernel>(smem));
+  return launch_dependent(kKernel, dim3(p.num_mblocks, p.num_items), kThreads, smem, stream, p);
 }
 
 }  // namespace mla_decode_sm80

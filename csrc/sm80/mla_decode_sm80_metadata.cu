@@ -1,8 +1,6 @@
 // Split-KV scheduling metadata computed on the device (no host sync, CUDA-graph capturable), plus the
 // host-side dispatch of the main kernel and the stamp buffer of profiling builds (mla_decode_sm80_stamps.h).
 // The split rule is in mla_decode_sm80_schedule.h.
-#include <cstdio>
-
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -32,8 +30,8 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   // read the memory this schedule is written to
   grid_dependency_wait();
   const int tid = threadIdx.x;
-  const int per = (p.B + kMetaThreads - 1) / kMetaThreads;
-  const int b0 = tid * per, b1 = min(p.B, b0 + per);
+  const int per = (p.batch + kMetaThreads - 1) / kMetaThreads;
+  const int b0 = tid * per, b1 = min(p.batch, b0 + per);
 
   long long w = 0;
   for (int b = b0; b < b1; ++b) w += tiles_of(request_len(p, b));
@@ -46,7 +44,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
   for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, p.force_splits, false);
   int base = 0, used = 0;
   Scan(tmp.scan).ExclusiveSum(my, base, used);
-  const bool down = splits_round_down(used, p.num_parts, p.B, p.force_splits);  // uniform: used is the block's sum
+  const bool down = splits_round_down(used, p.num_parts, p.batch, p.force_splits);  // uniform: used is the block's sum
   if (down) {
     my = 0;
     for (int b = b0; b < b1; ++b) my += splits_of(tiles_of(request_len(p, b)), T, 0, true);
@@ -60,10 +58,10 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     p.sched_items[it * 4 + 2] = tb * kBlockN;
     p.sched_items[it * 4 + 3] = min(te * kBlockN, L);
   };
-  if (p.B <= kMetaThreads) {
+  if (p.batch <= kMetaThreads) {
     // One request per thread; then one item per thread, its request found by binary search over the first
     // items (a thread writing all splits of its request took 1.2 us more for B=4 x 32 splits on the H200).
-    if (tid < p.B) {
+    if (tid < p.batch) {
       s_base[tid] = base;
       s_splits[tid] = my;
       p.sched_reqs[tid * 2 + 0] = base;
@@ -71,7 +69,7 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
     }
     __syncthreads();
     for (int it = tid; it < used && it < p.num_items; it += kMetaThreads) {
-      int lo = 0, hi = p.B - 1;  // the last b with s_base[b] <= it (every request has >= 1 split)
+      int lo = 0, hi = p.batch - 1;  // the last b with s_base[b] <= it (every request has >= 1 split)
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_base[mid] <= it) lo = mid;
@@ -114,46 +112,49 @@ __global__ void __launch_bounds__(kMetaThreads) mla_decode_metadata_kernel(const
 
 // A programmatic dependent (p.pdl) like the main and merge kernels: launched plainly after a kernel it starts
 // about 2 us after that kernel's end on the H200, as a dependent at once.
-void launch_metadata(const DecodeParams& p, cudaStream_t stream) {
-  launch_dependent(mla_decode_metadata_kernel, dim3(1), kMetaThreads, 0, stream, p);
+cudaError_t launch_metadata(const DecodeParams& p, cudaStream_t stream) {
+  return launch_dependent(mla_decode_metadata_kernel, dim3(1), kMetaThreads, 0, stream, p);
 }
 
 #if defined(MLA_DECODE_STAMPS)
 // One buffer per process, grown as needed and never freed (a profiling build; calls on one stream at a time).
-// A failed CUDA call leaves the launch without stamps (read_stamps() then returns an empty tensor) and says why.
+// After a failed CUDA call there are no stamps (read_stamps() returns an empty tensor) until a call succeeds.
 static unsigned long long* g_stamps = nullptr;
 static long long g_stamps_cap = 0, g_stamps_ctas = 0;
-static unsigned long long* stamps_failed(const char* what, cudaError_t e) {
-  std::fprintf(stderr, "mla_decode_sm80 stamps: %s failed: %s\n", what, cudaGetErrorString(e));
-  g_stamps_ctas = 0;
-  return nullptr;
-}
-unsigned long long* stamps_for_launch(long long ctas, cudaStream_t stream) {
+static cudaError_t stamps_buffer(long long ctas, cudaStream_t stream) {
   const size_t bytes = size_t(ctas) * kStampSlots * sizeof(unsigned long long);
   if (ctas > g_stamps_cap) {
     if (g_stamps != nullptr) {
       const cudaError_t e = cudaFree(g_stamps);
       g_stamps = nullptr;
       g_stamps_cap = 0;
-      if (e != cudaSuccess) return stamps_failed("cudaFree", e);
+      MLA_CUDA_TRY(e);
     }
     if (const cudaError_t e = cudaMalloc(&g_stamps, bytes); e != cudaSuccess) {
       g_stamps = nullptr;
-      return stamps_failed("cudaMalloc", e);
+      return e;
     }
     g_stamps_cap = ctas;
   }
-  if (const cudaError_t e = cudaMemsetAsync(g_stamps, 0, bytes, stream); e != cudaSuccess)
-    return stamps_failed("cudaMemsetAsync", e);
+  return cudaMemsetAsync(g_stamps, 0, bytes, stream);
+}
+cudaError_t stamps_for_launch(long long ctas, cudaStream_t stream, unsigned long long** stamps) {
+  g_stamps_ctas = 0;
+  *stamps = nullptr;
+  MLA_CUDA_TRY(stamps_buffer(ctas, stream));
   g_stamps_ctas = ctas;
-  return g_stamps;
+  *stamps = g_stamps;
+  return cudaSuccess;
 }
 unsigned long long* stamps_last(long long* ctas) {
   *ctas = g_stamps ? g_stamps_ctas : 0;
   return g_stamps;
 }
 #else
-unsigned long long* stamps_for_launch(long long, cudaStream_t) { return nullptr; }
+cudaError_t stamps_for_launch(long long, cudaStream_t, unsigned long long** stamps) {
+  *stamps = nullptr;
+  return cudaSuccess;
+}
 unsigned long long* stamps_last(long long* ctas) { *ctas = 0; return nullptr; }
 #endif
 
@@ -167,12 +168,11 @@ bool qk_mbar_build() {
 #endif
 }
 
-void launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream);
-void launch_decode_fp16(const DecodeParams& p, int m_tile, cudaStream_t stream);
+cudaError_t launch_decode_bf16(const DecodeParams& p, int m_tile, cudaStream_t stream);
+cudaError_t launch_decode_fp16(const DecodeParams& p, int m_tile, cudaStream_t stream);
 
-void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream) {
-  if (is_bf16) launch_decode_bf16(p, m_tile, stream);
-  else launch_decode_fp16(p, m_tile, stream);
+cudaError_t launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream) {
+  return is_bf16 ? launch_decode_bf16(p, m_tile, stream) : launch_decode_fp16(p, m_tile, stream);
 }
 
 int smem_bytes_for(int m_tile, int stages) {

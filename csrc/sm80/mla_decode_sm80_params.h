@@ -9,28 +9,28 @@ struct DecodeParams {
   // q_nope (B, Sq, H, 512), q_pe (B, Sq, H, 64); strides in elements, last-dim stride 1.
   const void* q_nope;
   const void* q_pe;
-  int64_t qn_stride_b, qn_stride_s, qn_stride_h;
-  int64_t qp_stride_b, qp_stride_s, qp_stride_h;
+  int64_t qn_batch_stride, qn_row_stride, qn_head_stride;
+  int64_t qp_batch_stride, qp_row_stride, qp_head_stride;
   // ckv_cache (P, page_size, 512), kpe_cache (P, page_size, 64); may be views of one (P, page_size, 576).
   const void* ckv;
   const void* kpe;
-  int64_t ckv_stride_page, ckv_stride_row;
-  int64_t kpe_stride_page, kpe_stride_row;
-  // block_table int32 (B, max_pages) with row stride bt_stride_b; cache_seqlens int32 (B).
+  int64_t ckv_page_stride, ckv_row_stride;
+  int64_t kpe_page_stride, kpe_row_stride;
+  // block_table int32 (B, max_pages) with row stride bt_batch_stride; cache_seqlens int32 (B).
   // The kernels are memory-safe for any values in these two tensors: a length is clamped to [0, kv_capacity]
   // (request_len, schedule.h) and a page id outside [0, num_pages) reads as a page of zeros (page_in_cache,
   // kernel.cuh), so no address outside block_table's rows or the caches is formed.
   const int* block_table;
-  int64_t bt_stride_b;
+  int64_t bt_batch_stride;
   int max_pages;
   int num_pages;     // pages in the caches (ckv_cache.size(0))
   int kv_capacity;   // min(max_pages * page_size, INT_MAX); INT_MAX in decode_schedule, which has no block_table
   const int* seqlens;
   // out (B, Sq, H, 512) dtype of q; lse (B, H, Sq) fp32 (strides in elements).
   void* out;
-  int64_t o_stride_b, o_stride_s, o_stride_h;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
   float* lse;
-  int64_t lse_stride_b, lse_stride_h;
+  int64_t lse_batch_stride, lse_head_stride;
   // Split-KV workspace: ws_o (num_items, Sq*H, 512) fp32 normalised partial outputs; ws_lse (num_items, Sq*H)
   // fp32 partial LSE in base 2. sched: scheduling metadata written on the device by the metadata kernel:
   //   items[num_items][4] = (request b or -1, split index, kv_begin, kv_end)
@@ -44,7 +44,7 @@ struct DecodeParams {
   int min_tiles;     // a split covers at least this many kBlockN-token tiles
   int force_splits;  // > 0: every request with enough tiles gets exactly this many splits (tests)
 
-  int B, Sq, H;
+  int batch, seqlen_q, hq;  // B, Sq, H: requests, new tokens per request, query heads
   int page_size, log2_page;
   int num_mblocks;   // ceil(Sq*H / M_TILE)
   int stages;        // cp.async stages (run time, 2..kMaxStages)
@@ -61,10 +61,10 @@ struct DecodeParams {
   unsigned long long* stamps;
 };
 
-// Host launchers (defined in the .cu files).
-void launch_metadata(const DecodeParams& p, cudaStream_t stream);
-void launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
-void launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream);
+// Host launchers (defined in the .cu files), each returning its launch's cudaError_t (common/cuda_check.h).
+cudaError_t launch_metadata(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_decode(const DecodeParams& p, int m_tile, bool is_bf16, cudaStream_t stream);
+cudaError_t launch_combine(const DecodeParams& p, bool is_bf16, int num_sms, cudaStream_t stream);
 int max_stages_for(int m_tile, int smem_optin);
 int ws_max_stages_for(int m_tile, int smem_optin);  // 0: the warp-specialized kernel does not fit
 int smem_bytes_for(int m_tile, int stages);

@@ -73,7 +73,7 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int b = k * 32 + lane;
-    len[k] = b < p.B ? request_len(p, b) : 0;
+    len[k] = b < p.batch ? request_len(p, b) : 0;
     x[k] = tiles_of(len[k]);
     lane_tiles += x[k];
   }
@@ -86,17 +86,17 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int sk = splits_of(x[k], T, p.force_splits, false);
-    s[k] = k * 32 + lane < p.B ? sk : 0;
+    s[k] = k * 32 + lane < p.batch ? sk : 0;
     lane_splits += s[k];
   }
   // Without force_splits, each count is at most x / T + 1 and T >= total / num_parts, so they sum to at most
   // num_parts + B: the 32-bit sum is exact whenever splits_round_down reads it.
   const int rounded = int(__reduce_add_sync(full, unsigned(lane_splits)));
-  if (splits_round_down(rounded, p.num_parts, p.B, p.force_splits)) {  // uniform across the warp
+  if (splits_round_down(rounded, p.num_parts, p.batch, p.force_splits)) {  // uniform across the warp
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
       const int sk = splits_of(x[k], T, p.force_splits, true);
-      s[k] = k * 32 + lane < p.B ? sk : 0;
+      s[k] = k * 32 + lane < p.batch ? sk : 0;
     }
   }
   int incl[kPerLane];  // inclusive scans of the splits over each group of 32 requests, all groups at once
@@ -113,8 +113,8 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
   int base = 0;  // first item of group k (uniform across the warp)
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
-    if (k * 32 >= p.B || !more(base)) break;
-    if (k * 32 + lane < p.B) visit(k * 32 + lane, base + incl[k] - s[k], s[k], len[k]);
+    if (k * 32 >= p.batch || !more(base)) break;
+    if (k * 32 + lane < p.batch) visit(k * 32 + lane, base + incl[k] - s[k], s[k], len[k]);
     base += __shfl_sync(full, incl[k], 31);
   }
 }
@@ -124,7 +124,7 @@ __device__ __forceinline__ void warp_request_splits_groups(const DecodeParams& p
 // (H200). Choosing by B is faster than either form alone at B = 4, 7, 32 and 128.
 template <typename Visit, typename More>
 __device__ __forceinline__ void warp_request_splits(const DecodeParams& p, Visit&& visit, More&& more) {
-  if (p.B <= 32) warp_request_splits_groups<1>(p, visit, more);
+  if (p.batch <= 32) warp_request_splits_groups<1>(p, visit, more);
   else warp_request_splits_groups<kInlineScheduleMaxBatch / 32>(p, visit, more);
 }
 

@@ -51,9 +51,10 @@ __device__ __forceinline__ void stamp_now(const DecodeParams& p, int item, Stamp
 }
 #endif  // __CUDACC__
 
-// Host: the stamp buffer for a launch of `ctas` CTAs, zeroed on `stream` (null unless built with the macro), and
-// the last launch's buffer with its CTA count (null, 0 if none). Defined in mla_decode_sm80_metadata.cu.
-unsigned long long* stamps_for_launch(long long ctas, cudaStream_t stream);
+// Host: *stamps = the stamp buffer for a launch of `ctas` CTAs, zeroed on `stream` (null unless built with the
+// macro; the error of its allocation or memset is returned), and the last launch's buffer with its CTA count
+// (null, 0 if none). Defined in mla_decode_sm80_metadata.cu.
+cudaError_t stamps_for_launch(long long ctas, cudaStream_t stream, unsigned long long** stamps);
 unsigned long long* stamps_last(long long* ctas);
 
 }  // namespace mla_decode_sm80

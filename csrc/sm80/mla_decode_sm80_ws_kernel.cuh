@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
   const int b = w.b, kv_begin = w.kv_begin, kv_end = w.kv_end, n_tiles = w.n_tiles;
   const int L = request_len(p, b);
   const int stages = p.stages;
-  const int rows_total = p.Sq * p.H;
+  const int rows_total = p.seqlen_q * p.hq;
   const int row0 = mblock * M_TILE;
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     // (the host checks), the lane's column offset is folded into its base pointers, and the swizzled smem
     // column of each copy is one of two per-lane constants (row % 8 alternates between w and w + 4).
     // Rows past the range are zero-filled; their page-ring entry is 0, so the unused address is in bounds.
-    const uint32_t ckv_sp = uint32_t(p.ckv_stride_page), ckv_sr = uint32_t(p.ckv_stride_row);
-    const uint32_t kpe_sp = uint32_t(p.kpe_stride_page), kpe_sr = uint32_t(p.kpe_stride_row);
+    const uint32_t ckv_sp = uint32_t(p.ckv_page_stride), ckv_sr = uint32_t(p.ckv_row_stride);
+    const uint32_t kpe_sp = uint32_t(p.kpe_page_stride), kpe_sr = uint32_t(p.kpe_row_stride);
     // element offset of a cache row: one 32 x 32 -> 64-bit multiply-add (page ids are >= 0)
     auto row_off = [&](int page, int tok, uint32_t sp, uint32_t sr) -> uint64_t {
       return uint64_t(uint32_t(page)) * sp + uint32_t(tok & page_mask) * sr;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
     {
       const int grow = row0 + sr;
       lim = kv_end - 1;
-      if (p.causal) lim = min(lim, L - p.Sq + grow / p.H);  // token t sees positions <= L - Sq + t
+      if (p.causal) lim = min(lim, L - p.seqlen_q + grow / p.hq);  // token t sees positions <= L - Sq + t
       if (grow >= rows_total) lim = -1;
     }
     float m_run = -INFINITY, l_part = 0.f;
@@ -384,8 +384,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_ws_kernel(const Decode
 }
 
 template <typename Elem, int M_TILE>
-void launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
-  launch_main_kernel(mla_decode_ws_kernel<Elem, M_TILE>, WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
+cudaError_t launch_decode_ws_tile(const DecodeParams& p, cudaStream_t stream) {
+  return launch_main_kernel<mla_decode_ws_kernel<Elem, M_TILE>>(WsTileConfig<M_TILE>::smem_bytes(p.stages), stream, p);
 }
 
 }  // namespace mla_decode_sm80
@@ -395,14 +395,13 @@ namespace mla_decode_sm80 {
 // Every main kernel of one dtype: the warp-specialized kernel when the host chose it (p.ws), else the all-warps
 // kernel for 16/32-row tiles, and for 64-row tiles the row-group kernel (p.groups) or the all-warps one.
 template <typename Elem>
-void launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
-  if (p.ws) {
-    if (m_tile == 16) launch_decode_ws_tile<Elem, 16>(p, stream);
-    else launch_decode_ws_tile<Elem, 32>(p, stream);
-  } else if (m_tile == 16) launch_decode_tile<Elem, 16>(p, stream);
-  else if (m_tile == 32) launch_decode_tile<Elem, 32>(p, stream);
-  else if (p.groups) launch_decode_groups<Elem>(p, stream);
-  else launch_decode_tile<Elem, 64>(p, stream);
+cudaError_t launch_decode_any(const DecodeParams& p, int m_tile, cudaStream_t stream) {
+  if (p.ws && m_tile == 16) return launch_decode_ws_tile<Elem, 16>(p, stream);
+  if (p.ws) return launch_decode_ws_tile<Elem, 32>(p, stream);
+  if (m_tile == 16) return launch_decode_tile<Elem, 16>(p, stream);
+  if (m_tile == 32) return launch_decode_tile<Elem, 32>(p, stream);
+  if (p.groups) return launch_decode_groups<Elem>(p, stream);
+  return launch_decode_tile<Elem, 64>(p, stream);
 }
 
 }  // namespace mla_decode_sm80

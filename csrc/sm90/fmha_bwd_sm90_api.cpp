@@ -9,13 +9,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAException.h>
 
 #include <cmath>
 #include <optional>
 #include <string>
 
 #include "common/checks.h"
+#include "common/cuda_check.h"
 #include "common/device_info.h"
 #include "common/options.h"
 #include "fmha_bwd_sm90_config.h"
@@ -172,7 +172,8 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();  // q's device (guard above)
   if (opt.poison_workspace) {
     for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem}) {
-      C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), stream));
+      MLA_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), stream),
+                     "fmha_bwd_sm90: poisoning the workspace");
     }
   }
   if (varlen) {
@@ -243,18 +244,10 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   p.deterministic = deterministic;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
 
-  try {
-    if (d == 192) {
-      fmha_bwd_sm90_run_192_128(p, opt, stream);
-    } else if (d == 128) {
-      fmha_bwd_sm90_run_128_128(p, opt, stream);
-    } else {
-      fmha_bwd_sm90_run_64_64(p, opt, stream);
-    }
-  } catch (const std::exception& e) {
-    MLA_CHECK(false, e.what());
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto* const run =
+      d == 192 ? fmha_bwd_sm90_run_192_128 : d == 128 ? fmha_bwd_sm90_run_128_128 : fmha_bwd_sm90_run_64_64;
+  MLA_CUDA_CHECK(run(p, opt, dev.l2_bytes, stream), "fmha_bwd_sm90: launching the kernels (head dims ", d, ", ", dvd,
+                 ")");
 }
 
 }  // namespace

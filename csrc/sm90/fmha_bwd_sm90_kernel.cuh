@@ -31,6 +31,7 @@
 //   fmha_bwd_sm90_kernel.cuh       (this file) the main kernel (producer, reducer, dispatch) and the launcher
 #pragma once
 
+#include "common/cuda_check.h"
 #include "fmha_bwd_sm90_common.cuh"
 #include "fmha_bwd_sm90_preprocess.cuh"
 #include "fmha_bwd_sm90_postprocess.cuh"
@@ -42,16 +43,6 @@
 namespace fmha_bwd_sm90 {
 
 using namespace cute;
-
-#define FMHA_BWD_CUDA_CHECK(expr)                                                              \
-  do {                                                                                         \
-    cudaError_t err__ = (expr);                                                                \
-    if (err__ != cudaSuccess) {                                                                \
-      throw std::runtime_error(std::string("fmha_bwd_sm90: CUDA error: ") +                    \
-                               cudaGetErrorString(err__) + " at " __FILE__ ":" +               \
-                               std::to_string(__LINE__));                                      \
-    }                                                                                          \
-  } while (0)
 
 // ------------------------------------------------------------------------------------------------
 // Main kernel: producer warpgroup, then one of the two consumer schedules.
@@ -193,9 +184,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 }
 
 // ------------------------------------------------------------------------------------------------
-// Host launcher.
+// Host launcher: preprocess -> main -> postprocess on `stream`; returns the first launch error
+// (common/cuda_check.h). l2_bytes: the device's L2 size, which sizes the main kernel's launch groups.
 template <class T, int D, int DV>
-void run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, cudaStream_t stream) {
+cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes, cudaStream_t stream) {
   using Element = typename CuteType<T>::type;
   using Tr = Traits<Element, D, DV>;
   constexpr int BM = Tr::BM, BN = Tr::BN;
@@ -205,7 +197,7 @@ void run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, cudaStream_t
   if (grid_m > 0) {
     dim3 grid(grid_m, p.hq, p.batch);
     fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid, 256, 0, stream>>>(p);
-    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+    MLA_CUDA_TRY(cudaGetLastError());
   }
 
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -228,7 +220,7 @@ void run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, cudaStream_t
 
   MainArgs<Tr> args{};
   args.p = p;
-  args.p.pair_group = pair_group(p, opt.pair_group);
+  args.p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
@@ -255,19 +247,19 @@ void run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, cudaStream_t
 
   const int grid_n = (p.max_seqlen_k + BN - 1) / BN;
   if (grid_n > 0) {
-    auto kernel = fmha_bwd_sm90_main<Tr>;
     constexpr int smem = Tr::kSmemBytes;
-    FMHA_BWD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_bwd_sm90_main<Tr>>(smem));
     dim3 grid(grid_n, p.hkv, p.batch);
-    kernel<<<grid, Tr::kThreads, smem, stream>>>(args);
-    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+    fmha_bwd_sm90_main<Tr><<<grid, Tr::kThreads, smem, stream>>>(args);
+    MLA_CUDA_TRY(cudaGetLastError());
   }
 
   if (grid_m > 0) {
     dim3 grid(grid_m, p.hq, p.batch);
     fmha_bwd_sm90_postprocess<T, D, BM><<<grid, 256, 0, stream>>>(p);
-    FMHA_BWD_CUDA_CHECK(cudaGetLastError());
+    MLA_CUDA_TRY(cudaGetLastError());
   }
+  return cudaSuccess;
 }
 
 }  // namespace fmha_bwd_sm90

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include <cuda_runtime_api.h>
+
 struct FmhaBwdSm90Params {
   // inputs
   const void* q;
@@ -67,7 +69,12 @@ struct FmhaBwdSm90Options {
   bool poison_workspace = false;
 };
 
-// Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu.
-void fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);
-void fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);
-void fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, void* stream);
+// Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu. Each launches the three
+// kernels on `stream` and returns the first launch error (common/cuda_check.h); l2_bytes is the device's L2
+// size (mla::device_info), which sizes the main kernel's launch groups.
+cudaError_t fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes,
+                                      cudaStream_t stream);
+cudaError_t fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes,
+                                      cudaStream_t stream);
+cudaError_t fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes,
+                                    cudaStream_t stream);

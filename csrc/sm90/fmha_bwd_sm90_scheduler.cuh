@@ -74,8 +74,8 @@ __device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int
 //   between the processes): pairs per group 1 / 2 / 3 / 4 / 6 / all:
 //   192/128 443 / 456 / 455 / 457 / 450 / 419; 128/128 528 / 541 / 542 / 556 / 531 / 526.
 // `forced` (FmhaBwdSm90Options::pair_group, from bwd_with_options) overrides it: N pairs per group, 0 all
-// pairs interleaved; negative: this choice.
-inline int pair_group(const FmhaBwdSm90Params& p, int forced) {
+// pairs interleaved; negative: this choice, for a device with l2_bytes of L2.
+inline int pair_group(const FmhaBwdSm90Params& p, int forced, int l2_bytes) {
   const int pairs = p.hkv * p.batch;
   if (forced == 0) return pairs;
   if (forced > 0) return forced < pairs ? forced : pairs;
@@ -83,7 +83,7 @@ inline int pair_group(const FmhaBwdSm90Params& p, int forced) {
   if (p.deterministic) return pairs;
   const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
                           ((p.head_dim + p.head_dim_v) * 2.0 + p.head_dim * 4.0);
-  const double fit = per_pair > 0 ? kFmhaBwdSm90L2GroupShare * mla_sm90::device_l2_bytes() / per_pair : pairs;
+  const double fit = per_pair > 0 ? kFmhaBwdSm90L2GroupShare * l2_bytes / per_pair : pairs;
   int g = 1;
   while (2 * g <= fit && 2 * g <= pairs) g *= 2;
   return g;
