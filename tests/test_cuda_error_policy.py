@@ -9,8 +9,8 @@ import pytest
 from mla_autograd import _build
 
 CSRC = _build.csrc_dir()
-FAMILY_SOURCES = sorted([*CSRC.glob("sm80/mla_decode_sm80_*"), *CSRC.glob("sm90/fmha_bwd_sm90_*"),
-                         *CSRC.glob("sm100/*")])
+FAMILY_SOURCES = sorted([*CSRC.glob("sm80/mla_decode_sm80_*"), *CSRC.glob("sm90/fmha_fwd_sm90_*"),
+                         *CSRC.glob("sm90/fmha_bwd_sm90_*"), *CSRC.glob("sm100/*")])
 OTHER_CONVENTIONS = ("C10_CUDA_CHECK", "C10_CUDA_KERNEL_LAUNCH_CHECK", "throw ", "fprintf(", "LaunchStatus",
                      "cudaFuncSetAttribute")
 
@@ -34,5 +34,5 @@ def test_one_error_convention(path):
 def test_launch_checks_name_the_family():
     for path in FAMILY_SOURCES:
         for m in re.finditer(r"MLA_CUDA_CHECK\((.*?);\n", code_of(path), flags=re.S):
-            assert re.search(r'"(mla_decode_sm80|fmha_bwd_sm90|fmha_fwd_sm100|fmha_bwd_sm100): |, family, ',
+            assert re.search(r'"(mla_decode_sm80|fmha_fwd_sm90|fmha_bwd_sm90|fmha_fwd_sm100|fmha_bwd_sm100): |, family, ',
                              m.group(1)), f"{path.name}: {m.group(0)!r} does not name its family"

@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 
 #include "common/checks.h"
+#include "common/cuda_check.h"
+#include "common/device_info.h"
 #include "common/options.h"
 #include "sm90/fmha_fwd_sm90_params.h"
 
@@ -171,18 +173,16 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // The dynamic tile scheduler's counter, zeroed on the stream before the kernel.
   at::Tensor tile_counter;
-  cudaError_t err = cudaSuccess;
   if (fmha_fwd_sm90_dynamic_tiles(p, opt)) {
     tile_counter = at::empty({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
-    err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
-    MLA_CHECK(err == cudaSuccess, "fmha_fwd_sm90: cudaMemsetAsync of the tile counter failed: ",
-              cudaGetErrorString(err));
+    MLA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream),
+                   "fmha_fwd_sm90: zeroing the tile counter");
   }
-  if (Dqk == 192) err = fmha_fwd_sm90_launch_192_128(p, opt, stream);
-  else if (Dqk == 128) err = fmha_fwd_sm90_launch_128_128(p, opt, stream);
-  else err = fmha_fwd_sm90_launch_64_64(p, opt, stream);
-  MLA_CHECK(err == cudaSuccess, "fmha_fwd_sm90: kernel launch failed: ", cudaGetErrorString(err));
+  auto const launch = Dqk == 192 ? fmha_fwd_sm90_launch_192_128
+                      : Dqk == 128 ? fmha_fwd_sm90_launch_128_128
+                                   : fmha_fwd_sm90_launch_64_64;
+  MLA_CUDA_CHECK(launch(p, opt, mla::device_info(q.get_device()), stream), "fmha_fwd_sm90: launch");
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,

@@ -38,6 +38,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "common/cuda_check.h"
 #include "sm90/fmha_fwd_sm90_config.h"
 #include "sm90/fmha_fwd_sm90_params.h"
 #include "sm90/fmha_fwd_sm90_scheduler.cuh"
@@ -465,19 +466,20 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 // 561). A quarter of the L2 gives 3 pairs there: 642 / 608.
 // `forced` (FmhaFwdSm90Options::l2_head_group, from fwd_with_options) overrides it: N pairs per group, 0 all
 // heads interleaved; negative: this choice.
-inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb, int forced) {
+inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb, int forced, int l2_bytes) {
   if (forced == 0) return num_hb;
   if (forced > 0) return forced < num_hb ? forced : num_hb;
   // K/V bytes per query head (GQA: a K/V head serves hq / hkv consecutive query heads)
   double const per_head = double(p.seqlen_k) * (p.dqk + p.dv) * 2.0 * p.hkv / p.hq;
-  int64_t g = per_head > 0 ? int64_t(0.25 * device_l2_bytes() / per_head) : num_hb;
+  int64_t g = per_head > 0 ? int64_t(0.25 * l2_bytes / per_head) : num_hb;
   if (g < 1) g = 1;
   return g < num_hb ? int(g) : num_hb;
 }
 
 // ------------------------------------------------------------------------------------------------
 template <class Element, int kDqk, int kDv, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
-cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, cudaStream_t stream) {
+cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
+                                   mla::DeviceInfo const& dev, cudaStream_t stream) {
   using KT = FwdTraits<Element, kDqk, kDv, kBlockN>;
   using GShape = typename KT::GShape;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
@@ -512,7 +514,7 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   int const num_hb = p.hq * p.batch;
   if (int64_t(num_hb) * num_m >= (int64_t(1) << 31)) return cudaErrorInvalidConfiguration;
   int const num_tiles = num_hb * num_m;
-  kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group);
+  kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group, dev.l2_bytes);
   kp.p.num_m_blocks = num_m;
   // A persistent grid, one CTA per SM (one fits: the shared storage takes most of an SM). Unmasked dense
   // tiles all cost the same and are assigned statically (CTA c: c, c + gridDim.x, ...). Causal tiles cost 1
@@ -523,32 +525,30 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   // persistent. opt.ctas forces a grid of that many CTAs, opt.scheduler the assignment.
   bool const dynamic = fmha_fwd_sm90_dynamic_tiles(p, opt);
   if (dynamic && p.tile_counter == nullptr) return cudaErrorInvalidValue;
-  if (!dynamic) kp.p.tile_counter = nullptr;
-  int const ctas = opt.ctas > 0 ? opt.ctas : mla::current_device_info().sm_count;
+  int const ctas = opt.ctas > 0 ? opt.ctas : dev.sm_count;
   dim3 grid(unsigned(ctas < num_tiles ? ctas : num_tiles), 1, 1);
   dim3 block(KT::kThreads, 1, 1);
-  auto kernel = fmha_fwd_sm90_kernel<KT>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid, block, KT::kSmemBytes, stream>>>(kp);
+  MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_fwd_sm90_kernel<KT>>(KT::kSmemBytes));
+  fmha_fwd_sm90_kernel<KT><<<grid, block, KT::kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
 }
 
 // Unmasked problems take the config's wider key block where it has one (kBlockNNoMask).
 template <class Element, int kDqk, int kDv>
-cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, cudaStream_t stream) {
+cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev,
+                              cudaStream_t stream) {
   using Cfg = FmhaFwdSm90Config<kDqk, kDv>;
   if constexpr (Cfg::kBlockNNoMask != Cfg::kBlockN) {
-    if (!p.causal) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kBlockNNoMask>(p, opt, stream);
+    if (!p.causal) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kBlockNNoMask>(p, opt, dev, stream);
   }
-  return run_fmha_fwd_sm90_impl<Element, kDqk, kDv>(p, opt, stream);
+  return run_fmha_fwd_sm90_impl<Element, kDqk, kDv>(p, opt, dev, stream);
 }
 
 }  // namespace mla_sm90
 
-#define MLA_FMHA_FWD_SM90_DEFINE_LAUNCHER(DQK, DV)                                                  \
-  cudaError_t fmha_fwd_sm90_launch_##DQK##_##DV(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, \
-                                                 cudaStream_t stream) {                                     \
-    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, opt, stream)          \
-                     : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, opt, stream);             \
+#define MLA_FMHA_FWD_SM90_DEFINE_LAUNCHER(DQK, DV)                                                   \
+  cudaError_t fmha_fwd_sm90_launch_##DQK##_##DV(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,  \
+                                                 mla::DeviceInfo const& dev, cudaStream_t stream) {          \
+    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, opt, dev, stream)      \
+                     : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, opt, dev, stream);         \
   }

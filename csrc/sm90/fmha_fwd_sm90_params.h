@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "common/device_info.h"
+
 struct FmhaFwdSm90Params {
   // Pointers (16-byte aligned).
   void const* q;
@@ -64,10 +66,12 @@ inline bool fmha_fwd_sm90_dynamic_tiles(FmhaFwdSm90Params const& p, FmhaFwdSm90O
   return p.causal || p.cu_seqlens_q != nullptr;
 }
 
-// Launchers, one per head-dim pair (each in its own translation unit).
+// Launchers, one per head-dim pair (each in its own translation unit): launch the kernel on `stream` and
+// return the first CUDA error (common/cuda_check.h). dev: the device's attributes (mla::device_info), which
+// size the grid (sm_count) and the L2 launch groups (l2_bytes).
 cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
-                                         cudaStream_t stream);
+                                         mla::DeviceInfo const& dev, cudaStream_t stream);
 cudaError_t fmha_fwd_sm90_launch_128_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
-                                         cudaStream_t stream);
+                                         mla::DeviceInfo const& dev, cudaStream_t stream);
 cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
-                                       cudaStream_t stream);
+                                       mla::DeviceInfo const& dev, cudaStream_t stream);

@@ -11,7 +11,6 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
-#include "common/device_info.h"
 
 namespace mla_sm90 {
 
@@ -118,10 +117,6 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
   int const rank = r / gsz;
   return {g * group + (r - rank * gsz), rank};
 }
-
-// L2 size of the current device in bytes (common/device_info.h: read once per device): the launchers size
-// their grouped_tile groups by it.
-inline int device_l2_bytes() { return mla::current_device_info().l2_bytes; }
 
 // ------------------------------------------------------------------------------------------------
 // SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).
