@@ -69,7 +69,7 @@ from common import graph_ms, median_ms, stamp  # noqa: E402
 from store import latest_rows, load, record, store_path  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
-# LaunchOptions fields (csrc/sm80/mla_decode_sm80_api.cpp) and their types: int counts, bool switches
+# LaunchOptions fields (csrc/sm80/mla_decode/mla_decode_sm80_api.cpp) and their types: int counts, bool switches
 OPTION_FIELDS = {"stages": int, "ctas_per_sm": int, "warp_specialized": bool, "groups": bool, "pdl": bool}
 AUTO: dict = {}  # no options: decode()'s automatic launch
 

@@ -1,7 +1,7 @@
 """JIT build of the CUDA kernel families.
 
 Each family (the registry in ``_kernels``) is one extension module built from
-``csrc/<dir>/<family>*.{cu,cpp}`` with its own build targets, so an sm_100f instantiation never sees an
+``csrc/<arch>/<folder>/<family>*.{cu,cpp}`` with its own build targets, so an sm_100f instantiation never sees an
 sm_80 flag and vice versa. Modules
 are built on first use with torch.utils.cpp_extension + ninja into a cache directory whose name
 hashes the sources (headers included), the flags, and the torch / CUDA / CUTLASS versions; a file
@@ -126,13 +126,15 @@ def _flags(fam: Family, ptxas_verbose: bool) -> tuple[list[str], list[str], list
 def _fingerprint(fam: Family, flags: tuple) -> str:
     import torch
     h = hashlib.sha256()
-    roots = [csrc_dir() / fam.subdir, csrc_dir() / "common"]
+    # The family's arch folder (csrc/sm90 for csrc/sm90/fmha_fwd), not its own folder alone: it holds the headers
+    # that the arch's families share (csrc/sm90/sm90_attn_common.cuh).
+    roots = [csrc_dir() / Path(fam.subdir).parts[0], csrc_dir() / "common"]
     for root in roots:
         if not root.is_dir():
             continue
         for p in sorted(root.rglob("*")):
             if p.is_file() and p.suffix in (".cu", ".cpp", ".cuh", ".h", ".hpp"):
-                # Headers of the directory count for every family in it: a shared header change rebuilds all.
+                # Headers of the arch folder count for every family in it: a shared header change rebuilds all.
                 h.update(str(p.relative_to(csrc_dir())).encode())
                 h.update(p.read_bytes())
     h.update(repr(flags).encode())

@@ -159,7 +159,7 @@ def _decode_m_tile(rows: int) -> int:
 def decode_min_smem_bytes(rows: int) -> int:
     """Shared memory (bytes) the decode kernel needs at its fewest pipeline stages for H x Sq = rows: the
     all-warps kernel's TileConfig<m_tile>::smem_bytes(kMinStages) plus its static slot
-    (csrc/sm80/mla_decode_sm80_config.h). 95,360 B for 16 rows, which every 8.x part offers; 32 and 64 rows
+    (csrc/sm80/mla_decode/mla_decode_sm80_config.h). 95,360 B for 16 rows, which every 8.x part offers; 32 and 64 rows
     need more than the 99 KB of 8.6/8.9/12.0 parts."""
     m_tile, row_bytes, bn, stages = _decode_m_tile(rows), 576 * 2, 32, 2
     qk_warp_cols = min(8 // (m_tile // 16), bn // 8)

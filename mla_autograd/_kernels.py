@@ -82,7 +82,9 @@ class Family:
     """One kernel family = one extension module.
 
     name: module/family name, also the prefix of its source files in ``csrc/<subdir>/``.
-    subdir: directory under csrc/ holding the sources.
+    subdir: the family's folder under csrc/ (``<arch>/<folder>``, e.g. "sm90/fmha_fwd") holding its config, params,
+        kernel and host layer. Headers shared by the families of one arch live in ``csrc/<arch>/`` above the family
+        folders; headers shared by all in ``csrc/common/``.
     targets: nvcc code targets every build of this family compiles (see the module docstring).
     ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "decode").
     dims: head-dim pairs it serves: (Dqk, Dv) for attention, (Dc, Dr) for decode.
@@ -142,23 +144,23 @@ class Family:
 _HALF = frozenset({torch.bfloat16, torch.float16})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("fmha_fwd_sm90", "sm90", ("sm_90a",), ("attn_fwd",),
+    Family("fmha_fwd_sm90", "sm90/fmha_fwd", ("sm_90a",), ("attn_fwd",),
            frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
-    Family("fmha_bwd_sm90", "sm90", ("sm_90a",), ("attn_bwd",),
+    Family("fmha_bwd_sm90", "sm90/fmha_bwd", ("sm_90a",), ("attn_bwd",),
            frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
     # Family SASS: one cubin loads on B200/GB200 (10.0) and B300/GB300 (10.3). CUTLASS example 77's
     # kernels compile for sm_100a or sm_100f alike (both enable tcgen05/TMEM).
     # CUTLASS example 77's kernels read cu_seqlens as given; the host layer launches them with a copy sanitised
-    # on the device (csrc/sm100/sm100_fmha_cu.h), so any values are memory-safe.
-    Family("fmha_fwd_sm100", "sm100", ("sm_100f",), ("attn_fwd",),
+    # on the device (csrc/sm100/fmha/sm100_fmha_cu.h), so any values are memory-safe.
+    Family("fmha_fwd_sm100", "sm100/fmha", ("sm_100f",), ("attn_fwd",),
            frozenset({(192, 128), (128, 128)}), _HALF),
-    Family("fmha_bwd_sm100", "sm100", ("sm_100f",), ("attn_bwd",),
+    Family("fmha_bwd_sm100", "sm100/fmha", ("sm_100f",), ("attn_bwd",),
            frozenset({(192, 128), (128, 128)}), _HALF),
     # mma.sync/cp.async/ldmatrix code: native sm_80 (8.x) and sm_90 cubins, plus compute_90 PTX for newer
     # GPUs (10.x, 12.x). The PTX is compute_90, not compute_80, because the host enables programmatic
     # dependent launch on >= 9.0 and only code compiled for >= 9.0 contains the griddepcontrol.wait that
     # makes that safe.
-    Family("mla_decode_sm80", "sm80", ("sm_80", "sm_90", "compute_90"), ("decode",),
+    Family("mla_decode_sm80", "sm80/mla_decode", ("sm_80", "sm_90", "compute_90"), ("decode",),
            frozenset({(512, 64)}), _HALF),
 )}
 

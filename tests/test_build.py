@@ -42,6 +42,19 @@ def test_fingerprint_changes_with_sources_and_flags(tmp_path, monkeypatch):
     assert _build._fingerprint(fam, ("flags",)) != b
 
 
+def test_fingerprint_covers_the_arch_folder(tmp_path, monkeypatch):
+    """A family's folder is csrc/<arch>/<folder>; the headers its arch's families share sit in csrc/<arch>/
+    (csrc/sm90/sm90_attn_common.cuh), so a change there must rebuild the family too."""
+    (tmp_path / "x" / "fam").mkdir(parents=True)
+    (tmp_path / "x" / "fam" / "fam_a.cu").write_text("// v1\n")
+    monkeypatch.setattr(_build, "csrc_dir", lambda: tmp_path)
+    fam = _build.Family("fam_a", "x/fam", ("sm_90a",), ("attn_fwd",), frozenset(), frozenset())
+    assert [p.name for p in fam.sources()] == ["fam_a.cu"]
+    a = _build._fingerprint(fam, ("flags",))
+    (tmp_path / "x" / "x_shared.cuh").write_text("// shared by the arch's families\n")
+    assert _build._fingerprint(fam, ("flags",)) != a, "a shared arch header change must rebuild"
+
+
 def test_cli_selects_families_by_arch(monkeypatch, capsys):
     built = []
     monkeypatch.setattr(build, "load_family", lambda name, **kw: built.append(name))

@@ -9,8 +9,8 @@ import pytest
 from mla_autograd import _build
 
 CSRC = _build.csrc_dir()
-FAMILY_SOURCES = sorted([*CSRC.glob("sm80/mla_decode_sm80_*"), *CSRC.glob("sm90/fmha_fwd_sm90_*"),
-                         *CSRC.glob("sm90/fmha_bwd_sm90_*"), *CSRC.glob("sm100/*")])
+FAMILY_SOURCES = sorted([*CSRC.glob("sm80/mla_decode/mla_decode_sm80_*"), *CSRC.glob("sm90/fmha_fwd/fmha_fwd_sm90_*"),
+                         *CSRC.glob("sm90/fmha_bwd/fmha_bwd_sm90_*"), *CSRC.glob("sm100/fmha/*")])
 OTHER_CONVENTIONS = ("C10_CUDA_CHECK", "C10_CUDA_KERNEL_LAUNCH_CHECK", "throw ", "fprintf(", "LaunchStatus",
                      "cudaFuncSetAttribute")
 

@@ -101,7 +101,7 @@ def test_cpu_explain_and_warning_once(monkeypatch):
 def test_missing_family_falls_back_with_reason(monkeypatch):
     monkeypatch.setattr(Call, "capability", property(lambda self: (9, 0)))
     monkeypatch.setattr(_build, "family_available",
-                        lambda name: (False, f"kernel family {name} has no sources in csrc/sm90/"))
+                        lambda name: (False, f"kernel family {name} has no sources in csrc/sm90/fmha_fwd/"))
     d = explain_call(call()[0])
     assert d.backend == "reference" and "fmha_fwd_sm90 has no sources" in str(d)
 
@@ -343,11 +343,11 @@ def test_decode_routes_by_shared_memory(fake_gpu, smem, heads, sq, expect):
 
 
 def test_decode_smem_formula_matches_the_config():
-    """TileConfig<M>::smem_bytes(2) + the static slot, from csrc/sm80/mla_decode_sm80_config.h's constants
+    """TileConfig<M>::smem_bytes(2) + the static slot, from csrc/sm80/mla_decode/mla_decode_sm80_config.h's constants
     (kRowBytes 1152, kBlockN 32, P stride 40, two reduction buffers, a ring of 10 page-id tiles)."""
     assert _dispatch.decode_min_smem_bytes(16) == 16 * 1152 + 2 * 32 * 1152 + 16 * 40 * 2 + 2 * 4 * 16 * 4 + 1280 + 128
     assert _dispatch.decode_min_smem_bytes(33) == 64 * 1152 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 2 * 64 * 4 + 1280 + 128
-    text = (_build.csrc_dir() / "sm80" / "mla_decode_sm80_config.h").read_text()
+    text = (_build.csrc_dir() / "sm80" / "mla_decode" / "mla_decode_sm80_config.h").read_text()
     for const in ("kDimQK = kDimCkv + kDimKpe", "kBlockN = 32", "kStaticSmemBytes = 128", "kMinStages = 2",
                   "kPageRing = 2 * kMaxStages", "kMaxStages = 5"):
         assert const in text, f"decode_min_smem_bytes mirrors {const!r}: update it with the config"

@@ -352,7 +352,7 @@ def test_bwd_errors(bwd):
 
 # ---------------------------------------------------------------- cu_seqlens values (no host check on SM100)
 def _sanitized(cu, rows):
-    """The rule of csrc/sm100/sm100_fmha_cu.h: c[b] = clamp(cu[b], c[b-1], rows), c[-1] = 0."""
+    """The rule of csrc/sm100/fmha/sm100_fmha_cu.h: c[b] = clamp(cu[b], c[b-1], rows), c[-1] = 0."""
     out, lo = [], 0
     for x in cu:
         lo = min(max(int(x), lo), rows)

@@ -5,7 +5,7 @@
 # beside it). Why alternate processes: cuDNN's own backward moved by up to 6% between processes on the H200,
 # more than the changes being measured.
 #   Baseline files, in the tree layout under $BASELINE (default .ab/, keep it out of git):
-#           mkdir -p .ab/csrc/sm90 && git show main:csrc/sm90/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd_sm90_kernel.cuh
+#           mkdir -p .ab/csrc/sm90/fmha_bwd && git show main:csrc/sm90/fmha_bwd/fmha_bwd_sm90_kernel.cuh > .ab/csrc/sm90/fmha_bwd/fmha_bwd_sm90_kernel.cuh
 #   Run:    FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash tools/ab_kernel.sh
 #   Decode: FAMILY=mla_decode_sm80 TESTS=tests/gpu/test_mla_decode_sm80.py PROFILE="--decode 128 4096 128" bash tools/ab_kernel.sh
 #           (or, for a launch option, bench/bench_decode.py --ab FIELD=VALUE,... in one process)

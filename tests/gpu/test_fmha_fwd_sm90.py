@@ -51,7 +51,7 @@ def _load():
         import cutlass_library
         root = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
         inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-        srcs = [os.path.join(root, "sm90", f) for f in sorted(os.listdir(os.path.join(root, "sm90")))
+        srcs = [os.path.join(root, "sm90", "fmha_fwd", f) for f in sorted(os.listdir(os.path.join(root, "sm90", "fmha_fwd")))
                 if f.startswith("fmha_fwd_sm90") and f.endswith((".cu", ".cpp"))]
         return load("fmha_fwd_sm90", srcs, extra_include_paths=[root, inc],
                     extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",

@@ -1,5 +1,5 @@
 """GPU tests of the fmha_fwd_sm100 / fmha_bwd_sm100 kernel families (CUTLASS 4.2 example-77 Blackwell
-FMHA wrapped by csrc/sm100). They need an SM100 GPU (compute capability 10.x) and skip elsewhere:
+FMHA wrapped by csrc/sm100/fmha). They need an SM100 GPU (compute capability 10.x) and skip elsewhere:
 the kernels are compiled for sm_100a only and cannot run on SM90 or older parts.
 
 NOTE: at the time of writing these tests have never run (no SM100 GPU was available to the project);

@@ -8,7 +8,7 @@
 //   SP=<site-packages>; nvcc -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //     -Icsrc -I$SP/cutlass_library/source/include tests/sm90/fmha_bwd_sm90_addr_check.cu -o /tmp/addr_check
 //   /tmp/addr_check   # prints "ALL OK"
-#include "sm90/fmha_bwd_sm90_kernel.cuh"
+#include "sm90/fmha_bwd/fmha_bwd_sm90_kernel.cuh"
 #include <cstdio>
 using namespace fmha_bwd_sm90;
 using namespace cute;

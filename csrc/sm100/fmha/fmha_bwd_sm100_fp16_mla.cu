@@ -1,0 +1,3 @@
+// SM100 backward main-kernel instantiations: fp16, d_qk=192 d_vo=128 (MLA kernel, tile Q 64 x KV 128); masks residual / causal top-left / causal bottom-right.
+#include "sm100/fmha/sm100_fmha_bwd_impl.cuh"
+MLA_SM100_BWD_TU(bwd_fp16_mla, cutlass::half_t, true)

@@ -1,0 +1,3 @@
+// SM100 forward instantiations: fp16, d=128; masks residual / causal top-left / causal bottom-right.
+#include "sm100/fmha/sm100_fmha_fwd_impl.cuh"
+MLA_SM100_FWD_TU(fwd_fp16_mha, cutlass::half_t, false)

@@ -1,3 +1,0 @@
-// SM100 forward instantiations: bf16, d_qk=192 d_vo=128; masks residual / causal top-left / causal bottom-right.
-#include "sm100/sm100_fmha_fwd_impl.cuh"
-MLA_SM100_FWD_TU(fwd_bf16_mla, cutlass::bfloat16_t, true)

@@ -1,0 +1,8 @@
+// fp16 instantiations of the MLA decode kernels (all-warps and warp-specialized).
+#include "sm80/mla_decode/mla_decode_sm80_ws_kernel.cuh"
+
+namespace mla_decode_sm80 {
+cudaError_t launch_decode_fp16(const DecodeParams& p, int m_tile, cudaStream_t stream) {
+  return launch_decode_any<__half>(p, m_tile, stream);
+}
+}  // namespace mla_decode_sm80

@@ -1,4 +1,0 @@
-// Instantiations of the SM90 forward kernel for (Dqk, Dv) = (128, 128), bf16 and fp16.
-#include "sm90/fmha_fwd_sm90_kernel.cuh"
-
-MLA_FMHA_FWD_SM90_DEFINE_LAUNCHER(128, 128)
