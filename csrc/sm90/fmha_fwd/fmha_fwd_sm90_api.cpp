@@ -144,7 +144,7 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
   check_strides(k, "k");
   check_strides(v, "v");
   check_strides(out, "out");
-  // one CTA per (head, batch, 64-row M-block) in a 1-D grid (the 64/64 config's M-block is 192 rows)
+  // tile numbers (head, batch, 64-row M-block) are int32 (the 64/64 config's M-block is 192 rows)
   MLA_CHECK(B * Hq * ((Sq + 63) / 64) < (int64_t(1) << 31), "fmha_fwd_sm90: batch * heads * M-blocks too large for the grid");
 
   c10::cuda::CUDAGuard guard(q.device());

@@ -352,7 +352,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       if (lane == 0) ClusterBarrier::arrive(&ss.tile_empty[tile_slot]);
       if (coord.h < 0) break;
       FwdTile const tile = FwdTile::at<kBM, kBN>(p, coord);
-      if (!tile.template has_rows<kBM>()) continue;  // beyond this sequence (varlen): nothing to write
+      if (!tile.template has_rows<kBM>()) continue;  // a guard: every scheduled tile has rows
       MaskInfo const& mi = tile.mi;
       int const m_block = tile.m_block, n_min = tile.n_min, n_max = tile.n_max;
       int const row0 = m_block * kBM;

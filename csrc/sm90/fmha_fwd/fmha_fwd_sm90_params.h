@@ -34,7 +34,8 @@ struct FmhaFwdSm90Params {
   // Launch order (set by the launcher): heads are taken in groups of this many (head, batch) pairs whose
   // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
   int l2_head_group;
-  int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); tiles = batch * hq * this
+  int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); dense tiles = batch * hq * this
+                     // (varlen: the longest sequence's, a bound)
   // One int32, zero at launch (the host layer clears it on the stream where fmha_fwd_sm90_dynamic_tiles):
   // the dynamic tile scheduler's count of tiles taken beyond the first gridDim.x; nullptr otherwise.
   int* tile_counter;

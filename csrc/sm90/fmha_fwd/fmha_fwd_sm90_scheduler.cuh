@@ -42,7 +42,8 @@ struct FwdTile {
     mi.template n_block_range<kBM, kBN>(tile.m_block, tile.n_min, tile.n_max);
     return tile;
   }
-  // Rows of this sequence in the tile (always, but for sequences cut short by invalid cu_seqlens values).
+  // Rows of this sequence in the tile: true of every tile the scheduler hands out (its varlen list counts
+  // M-blocks from the same clamped lengths, varlen_rows, as SeqInfo).
   template <int kBM>
   CUTE_DEVICE bool has_rows() const { return m_block * kBM < si.seqlen_q; }
   // Q, K and V are loaded (rows that see at least one key block); else the tile only writes O = 0, LSE = -inf.
