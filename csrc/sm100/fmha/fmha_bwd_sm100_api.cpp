@@ -30,28 +30,18 @@
 namespace mla_sm100 {
 
 int bwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
-  bool mla = hd == HeadDims::kMla192x128;
-  if (dt == DType::kBF16) return mla ? bwd_bf16_mla_smem(m) : bwd_bf16_mha_smem(m);
-  return mla ? bwd_fp16_mla_smem(m) : bwd_fp16_mha_smem(m);
+  return pick_variant(dt, hd, bwd_bf16_mla_smem, bwd_bf16_mha_smem, bwd_fp16_mla_smem, bwd_fp16_mha_smem)(m);
 }
 
 cudaError_t bwd_launch(BwdLaunch const& p, cudaStream_t stream) {
-  bool mla = p.head_dims == HeadDims::kMla192x128;
-  if (p.dtype == DType::kBF16) return mla ? bwd_bf16_mla(p, stream) : bwd_bf16_mha(p, stream);
-  return mla ? bwd_fp16_mla(p, stream) : bwd_fp16_mha(p, stream);
+  return pick_variant(p.dtype, p.head_dims, bwd_bf16_mla, bwd_bf16_mha, bwd_fp16_mla, bwd_fp16_mha)(p, stream);
 }
 
 namespace {
 
-struct BwdPlan {
-  DType dtype;
-  HeadDims hd;
-  Mask mask;            // the mask the kernel is instantiated with
-  Mask mask_requested;  // the caller's (differs where an equivalent mask replaces it)
-  bool varlen = false;
-  int64_t B = 0, Hq = 0, Hk = 0, h_r = 1, dqk = 0, dvo = 0, Sq = 0, Sk = 0;
-  int64_t total_q = 0, total_k = 0, max_q = 0, max_k = 0;
-  std::string empty;  // "" | "no_query_rows" | "no_keys"
+struct BwdPlan : ProblemPlan {
+  Mask mask_requested;  // the caller's mask (ProblemPlan::mask: the one the kernel is instantiated with, which
+                        // differs where an equivalent mask replaces it)
   std::string gqa;    // "none" | "native" | "expand_kv"
   int64_t kern_h_r = 1, kern_h_k = 1;  // heads as the kernel sees them
   bool copy_q = false, copy_k = false, copy_v = false, copy_o = false, copy_do = false;
@@ -64,13 +54,7 @@ struct BwdPlan {
   int64_t ws_tail = 0;  // floats past the end of the lse / sum(O*dO) workspaces (see make_plan)
   int64_t ws_scaled_lse = 0, ws_sum_odo = 0, ws_dq_acc = 0, workspace_bytes = 0, workspace_bytes_unchunked = 0;
   int64_t expand_bytes = 0;
-  float scale = 0.f;
 };
-
-void check_same_dtype(const at::Tensor& t, const at::Tensor& q, const char* name) {
-  MLA_CHECK(t.scalar_type() == q.scalar_type(), "mla_autograd sm100: ", name, " dtype ", t.scalar_type(),
-              " must equal q dtype ", q.scalar_type());
-}
 
 // largest element offset touched by a (rows, heads, d) operand with the given strides, plus one
 int64_t extent(int64_t rows, int64_t row, int64_t heads, int64_t head, int64_t d) {
@@ -87,74 +71,27 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
   MLA_CHECK(!deterministic,
               "mla_autograd sm100: deterministic=True is not supported by the SM100 backward (dQ is accumulated "
               "with fp32 TMA reduce-add across key tiles, whose order varies run to run)");
-  P.dtype = dtype_of(q, "q");
-  check_same_dtype(k, q, "k");
-  check_same_dtype(v, q, "v");
-  check_same_dtype(out, q, "out");
+  plan_problem(P, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right);
   check_same_dtype(dout, q, "dout");
   check_same_dtype(dq, q, "dq");
   check_same_dtype(dk, q, "dk");
   check_same_dtype(dv, q, "dv");
-  MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
-  MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
-              "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  mla::check_softmax_scale(softmax_scale, "mla_autograd sm100");
-  P.scale = float(softmax_scale);
-  P.varlen = cu_q.has_value();
   const int64_t nd = P.varlen ? 3 : 4;
   using Named = std::pair<const at::Tensor*, const char*>;
-  for (auto [t, name] : std::initializer_list<Named>{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
-                                                     {&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
+  for (auto [t, name] : std::initializer_list<Named>{{&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
     MLA_CHECK(t->dim() == nd, "mla_autograd sm100: ", name, " must be ", nd, "-D, got shape ", t->sizes());
   }
-  P.dqk = q.size(-1);
-  P.dvo = v.size(-1);
-  P.hd = head_dims_of(P.dqk, P.dvo);
-  P.Hq = q.size(-2);
-  P.Hk = k.size(-2);
-  MLA_CHECK(P.Hq >= 1 && P.Hk >= 1 && P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq,
-              " must be a positive multiple of k heads ", P.Hk);
-  MLA_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads above the grid limit 65535");
-  P.h_r = P.Hq / P.Hk;
-  P.mask = mask_of(causal, bottom_right);
   if (P.varlen) {
-    check_cu(cu_q, "cu_seqlens_q", -1);
-    P.B = cu_q->size(0) - 1;
-    check_cu(cu_k, "cu_seqlens_k", P.B + 1);
-    P.total_q = q.size(0);
-    P.total_k = k.size(0);
-    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
-                "mla_autograd sm100: varlen calls need max_seqlen_q and max_seqlen_k");
-    MLA_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
-    P.max_q = *max_seqlen_q;
-    P.max_k = *max_seqlen_k;
-    check_shape(k, "k", {P.total_k, P.Hk, P.dqk});
-    check_shape(v, "v", {P.total_k, P.Hk, P.dvo});
-    check_shape(out, "out", {P.total_q, P.Hq, P.dvo});
     check_shape(dout, "dout", {P.total_q, P.Hq, P.dvo});
-    check_shape(lse, "lse", {P.Hq, P.total_q});
     check_shape(dq, "dq", {P.total_q, P.Hq, P.dqk});
     check_shape(dk, "dk", {P.total_k, P.Hk, P.dqk});
     check_shape(dv, "dv", {P.total_k, P.Hk, P.dvo});
   } else {
-    P.B = q.size(0);
-    P.Sq = q.size(1);
-    P.Sk = k.size(1);
-    P.total_q = P.B * P.Sq;
-    P.total_k = P.B * P.Sk;
-    P.max_q = P.Sq;
-    P.max_k = P.Sk;
-    check_shape(k, "k", {P.B, P.Sk, P.Hk, P.dqk});
-    check_shape(v, "v", {P.B, P.Sk, P.Hk, P.dvo});
-    check_shape(out, "out", {P.B, P.Sq, P.Hq, P.dvo});
     check_shape(dout, "dout", {P.B, P.Sq, P.Hq, P.dvo});
-    check_shape(lse, "lse", {P.B, P.Hq, P.Sq});
     check_shape(dq, "dq", {P.B, P.Sq, P.Hq, P.dqk});
     check_shape(dk, "dk", {P.B, P.Sk, P.Hk, P.dqk});
     check_shape(dv, "dv", {P.B, P.Sk, P.Hk, P.dvo});
   }
-  MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
-              "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
   // CUTLASS 4.2 example 77's MLA backward (64-row Q tiles, 128-key blocks) applies its top-left diagonal
   // mask only to Q tile j of key block j, but block j's diagonal starts at tile 2j: tiles 2j and 2j+1 go
   // unmasked. Its bottom-right mask is right, and it is the same mask wherever every sequence has as many
@@ -169,10 +106,6 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
               "diagonal mask is wrong otherwise (the dispatch table sends such calls elsewhere)");
     P.mask = Mask::kCausalBottomRight;
   }
-  check_operand(q, "q");
-  check_operand(k, "k");
-  check_operand(v, "v");
-  check_operand(out, "out");
   check_operand(dout, "dout");
   check_operand(dq, "dq");
   check_operand(dk, "dk");
@@ -187,12 +120,7 @@ BwdPlan make_plan(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
     P.lse_batch = lse.stride(0);
   }
 
-  if (P.total_q == 0 || P.B == 0) {
-    P.empty = "no_query_rows";
-  } else if (P.total_k == 0) {
-    P.empty = "no_keys";
-  } else {
-    MLA_CHECK(P.max_q > 0, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
+  if (P.empty.empty()) {
     MLA_CHECK(P.max_k > 0, "mla_autograd sm100: max_seqlen_k is 0 but k has ", P.total_k, " rows");
   }
 

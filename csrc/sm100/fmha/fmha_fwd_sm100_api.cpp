@@ -29,28 +29,16 @@
 namespace mla_sm100 {
 
 int fwd_smem_bytes(DType dt, HeadDims hd, Mask m) {
-  bool mla = hd == HeadDims::kMla192x128;
-  if (dt == DType::kBF16) return mla ? fwd_bf16_mla_smem(m) : fwd_bf16_mha_smem(m);
-  return mla ? fwd_fp16_mla_smem(m) : fwd_fp16_mha_smem(m);
+  return pick_variant(dt, hd, fwd_bf16_mla_smem, fwd_bf16_mha_smem, fwd_fp16_mla_smem, fwd_fp16_mha_smem)(m);
 }
 
 cudaError_t fwd_launch(FwdLaunch const& p, cudaStream_t stream) {
-  bool mla = p.head_dims == HeadDims::kMla192x128;
-  if (p.dtype == DType::kBF16) return mla ? fwd_bf16_mla(p, stream) : fwd_bf16_mha(p, stream);
-  return mla ? fwd_fp16_mla(p, stream) : fwd_fp16_mha(p, stream);
+  return pick_variant(p.dtype, p.head_dims, fwd_bf16_mla, fwd_bf16_mha, fwd_fp16_mla, fwd_fp16_mha)(p, stream);
 }
 
 namespace {
 
-struct FwdPlan {
-  DType dtype;
-  HeadDims hd;
-  Mask mask;
-  bool varlen = false;
-  int64_t B = 0, Hq = 0, Hk = 0, h_r = 1, dqk = 0, dvo = 0;
-  int64_t Sq = 0, Sk = 0;  // dense only
-  int64_t total_q = 0, total_k = 0, max_q = 0, max_k = 0;
-  std::string empty;       // "" | "no_query_rows" | "no_keys": handled without a kernel
+struct FwdPlan : ProblemPlan {
   std::string cu_rewrite;  // "none" | "prepend_empty_batch" | "split_bottom_right"
   int64_t cu_entries = 0;  // entries of the rewritten cu_seqlens
   int64_t batches = 0;     // batches of a launch
@@ -63,7 +51,6 @@ struct FwdPlan {
   RowHead q, k, v, o;
   int64_t lse_head = 0, lse_batch = 0, lse_staging_bytes = 0;
   int64_t lse_launch = 0;  // element offset of launch i's lse: i * lse_launch
-  float scale = 0.f;
   bool causal_sched = false;  // CausalIndividualTileScheduler (else IndividualTileScheduler)
   int64_t grid_x = 0, grid_y = 0, grid_z = 0;
 };
@@ -73,79 +60,7 @@ FwdPlan make_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& cu_k, const c10::optional<int64_t>& max_seqlen_q, const c10::optional<int64_t>& max_seqlen_k,
                   double softmax_scale, bool causal, bool bottom_right) {
   FwdPlan P;
-  P.dtype = dtype_of(q, "q");
-  MLA_CHECK(k.scalar_type() == q.scalar_type(), "mla_autograd sm100: k dtype ", k.scalar_type(),
-              " differs from q dtype ", q.scalar_type());
-  MLA_CHECK(v.scalar_type() == q.scalar_type(), "mla_autograd sm100: v dtype ", v.scalar_type(),
-              " differs from q dtype ", q.scalar_type());
-  MLA_CHECK(out.scalar_type() == q.scalar_type(), "mla_autograd sm100: out dtype ", out.scalar_type(),
-              " must equal q dtype ", q.scalar_type());
-  MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
-  MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
-              "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
-  mla::check_softmax_scale(softmax_scale, "mla_autograd sm100");
-  P.scale = float(softmax_scale);
-  P.varlen = cu_q.has_value();
-  const int64_t nd = P.varlen ? 3 : 4;
-  MLA_CHECK(q.dim() == nd, "mla_autograd sm100: q must be ", nd, "-D (", P.varlen ? "total_q, heads, d" : "batch, seqlen_q, heads, d", "), got shape ", q.sizes());
-  MLA_CHECK(k.dim() == nd, "mla_autograd sm100: k must be ", nd, "-D, got shape ", k.sizes());
-  MLA_CHECK(v.dim() == nd, "mla_autograd sm100: v must be ", nd, "-D, got shape ", v.sizes());
-  P.dqk = q.size(-1);
-  P.dvo = v.size(-1);
-  P.hd = head_dims_of(P.dqk, P.dvo);
-  MLA_CHECK(k.size(-1) == P.dqk, "mla_autograd sm100: k last dim ", k.size(-1), " must equal q last dim ", P.dqk);
-  P.Hq = q.size(-2);
-  P.Hk = k.size(-2);
-  MLA_CHECK(P.Hq >= 1 && P.Hk >= 1, "mla_autograd sm100: q and k need at least one head");
-  MLA_CHECK(v.size(-2) == P.Hk, "mla_autograd sm100: v heads ", v.size(-2), " must equal k heads ", P.Hk);
-  MLA_CHECK(P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq, " must be a multiple of k heads ", P.Hk);
-  MLA_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads ", P.Hq, " above the grid limit 65535");
-  P.h_r = P.Hq / P.Hk;
-  P.mask = mask_of(causal, bottom_right);
-
-  if (P.varlen) {
-    check_cu(cu_q, "cu_seqlens_q", -1);
-    P.B = cu_q->size(0) - 1;
-    check_cu(cu_k, "cu_seqlens_k", P.B + 1);
-    P.total_q = q.size(0);
-    P.total_k = k.size(0);
-    MLA_CHECK(v.size(0) == P.total_k, "mla_autograd sm100: v rows ", v.size(0), " must equal k rows ", P.total_k);
-    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
-                "mla_autograd sm100: varlen calls need max_seqlen_q and max_seqlen_k");
-    MLA_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
-    P.max_q = *max_seqlen_q;
-    P.max_k = *max_seqlen_k;
-    check_shape(out, "out", {P.total_q, P.Hq, P.dvo});
-    check_shape(lse, "lse", {P.Hq, P.total_q});
-  } else {
-    P.B = q.size(0);
-    P.Sq = q.size(1);
-    P.Sk = k.size(1);
-    MLA_CHECK(k.size(0) == P.B && v.size(0) == P.B, "mla_autograd sm100: q, k, v batch sizes differ (",
-                q.size(0), ", ", k.size(0), ", ", v.size(0), ")");
-    MLA_CHECK(v.size(1) == P.Sk, "mla_autograd sm100: v seqlen ", v.size(1), " must equal k seqlen ", P.Sk);
-    P.total_q = P.B * P.Sq;
-    P.total_k = P.B * P.Sk;
-    P.max_q = P.Sq;
-    P.max_k = P.Sk;
-    check_shape(out, "out", {P.B, P.Sq, P.Hq, P.dvo});
-    check_shape(lse, "lse", {P.B, P.Hq, P.Sq});
-  }
-  MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
-              "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
-  check_operand(q, "q");
-  check_operand(k, "k");
-  check_operand(v, "v");
-  check_operand(out, "out");
-
-  // early exits (no kernel): nothing to write / no keys at all
-  if (P.total_q == 0 || P.B == 0) {
-    P.empty = "no_query_rows";
-  } else if (P.total_k == 0) {
-    P.empty = "no_keys";
-  } else if (P.varlen && P.max_q == 0) {
-    MLA_CHECK(false, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
-  }
+  plan_problem(P, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right);
 
   P.q = row_head_of(q);
   P.k = row_head_of(k);

@@ -105,6 +105,102 @@ inline void check_cu(const c10::optional<at::Tensor>& cu, const char* name, int6
   MLA_CHECK(c.size(0) >= 1, "mla_autograd sm100: ", name, " must have at least one entry");
 }
 
+// The problem that the forward's and the backward's plans share (FwdPlan and BwdPlan extend it).
+struct ProblemPlan {
+  DType dtype = DType::kBF16;
+  HeadDims hd = HeadDims::kMha128x128;
+  Mask mask = Mask::kNone;
+  bool varlen = false;
+  int64_t B = 0, Hq = 0, Hk = 0, h_r = 1, dqk = 0, dvo = 0;
+  int64_t Sq = 0, Sk = 0;  // dense only
+  int64_t total_q = 0, total_k = 0, max_q = 0, max_k = 0;
+  std::string empty;  // "" | "no_query_rows" | "no_keys": handled without a kernel
+  float scale = 0.f;
+};
+
+inline void check_same_dtype(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  MLA_CHECK(t.scalar_type() == q.scalar_type(), "mla_autograd sm100: ", name, " dtype ", t.scalar_type(),
+            " must equal q dtype ", q.scalar_type());
+}
+
+// Validates the attention problem of q, k, v, out and lse (dense (B, S, H, D) or varlen (rows, H, D) with
+// int32 cu_seqlens of B + 1 entries and max_seqlen_q/k) with errors naming the argument, and fills P: dtype,
+// head dims, heads (Hq a multiple of Hk), mask, lengths, the int32 limits the CUTLASS kernels need, TMA
+// strides and alignment, and whether the call needs a kernel at all (P.empty).
+inline void plan_problem(ProblemPlan& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& cu_q,
+                         const c10::optional<at::Tensor>& cu_k, const c10::optional<int64_t>& max_seqlen_q,
+                         const c10::optional<int64_t>& max_seqlen_k, double softmax_scale, bool causal,
+                         bool bottom_right) {
+  P.dtype = dtype_of(q, "q");
+  check_same_dtype(k, q, "k");
+  check_same_dtype(v, q, "v");
+  check_same_dtype(out, q, "out");
+  MLA_CHECK(lse.scalar_type() == at::kFloat, "mla_autograd sm100: lse must be float32, got ", lse.scalar_type());
+  MLA_CHECK(cu_q.has_value() == cu_k.has_value(),
+            "mla_autograd sm100: cu_seqlens_q and cu_seqlens_k must be given together");
+  mla::check_softmax_scale(softmax_scale, "mla_autograd sm100");
+  P.scale = float(softmax_scale);
+  P.varlen = cu_q.has_value();
+  const int64_t nd = P.varlen ? 3 : 4;
+  MLA_CHECK(q.dim() == nd, "mla_autograd sm100: q must be ", nd, "-D (",
+            P.varlen ? "total_q, heads, d" : "batch, seqlen_q, heads, d", "), got shape ", q.sizes());
+  MLA_CHECK(k.dim() == nd, "mla_autograd sm100: k must be ", nd, "-D, got shape ", k.sizes());
+  MLA_CHECK(v.dim() == nd, "mla_autograd sm100: v must be ", nd, "-D, got shape ", v.sizes());
+  P.dqk = q.size(-1);
+  P.dvo = v.size(-1);
+  P.hd = head_dims_of(P.dqk, P.dvo);
+  P.Hq = q.size(-2);
+  P.Hk = k.size(-2);
+  MLA_CHECK(P.Hq >= 1 && P.Hk >= 1, "mla_autograd sm100: q and k need at least one head");
+  MLA_CHECK(P.Hq % P.Hk == 0, "mla_autograd sm100: q heads ", P.Hq, " must be a multiple of k heads ", P.Hk);
+  MLA_CHECK(P.Hq <= 65535, "mla_autograd sm100: q heads ", P.Hq, " above the grid limit 65535");
+  P.h_r = P.Hq / P.Hk;
+  P.mask = mask_of(causal, bottom_right);
+  if (P.varlen) {
+    check_cu(cu_q, "cu_seqlens_q", -1);
+    P.B = cu_q->size(0) - 1;
+    check_cu(cu_k, "cu_seqlens_k", P.B + 1);
+    P.total_q = q.size(0);
+    P.total_k = k.size(0);
+    MLA_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value(),
+              "mla_autograd sm100: varlen calls need max_seqlen_q and max_seqlen_k");
+    MLA_CHECK(*max_seqlen_q >= 0 && *max_seqlen_k >= 0, "mla_autograd sm100: max_seqlen_q/max_seqlen_k must be >= 0");
+    P.max_q = *max_seqlen_q;
+    P.max_k = *max_seqlen_k;
+    check_shape(k, "k", {P.total_k, P.Hk, P.dqk});
+    check_shape(v, "v", {P.total_k, P.Hk, P.dvo});
+    check_shape(out, "out", {P.total_q, P.Hq, P.dvo});
+    check_shape(lse, "lse", {P.Hq, P.total_q});
+  } else {
+    P.B = q.size(0);
+    P.Sq = q.size(1);
+    P.Sk = k.size(1);
+    P.total_q = P.B * P.Sq;
+    P.total_k = P.B * P.Sk;
+    P.max_q = P.Sq;
+    P.max_k = P.Sk;
+    check_shape(k, "k", {P.B, P.Sk, P.Hk, P.dqk});
+    check_shape(v, "v", {P.B, P.Sk, P.Hk, P.dvo});
+    check_shape(out, "out", {P.B, P.Sq, P.Hq, P.dvo});
+    check_shape(lse, "lse", {P.B, P.Hq, P.Sq});
+  }
+  MLA_CHECK(P.total_q <= kInt32Max && P.total_k <= kInt32Max && P.max_q <= kInt32Max && P.max_k <= kInt32Max,
+            "mla_autograd sm100: sequence lengths / token counts must be below 2^31");
+  check_operand(q, "q");
+  check_operand(k, "k");
+  check_operand(v, "v");
+  check_operand(out, "out");
+  // no kernel: nothing to write / no keys at all
+  if (P.total_q == 0 || P.B == 0) {
+    P.empty = "no_query_rows";
+  } else if (P.total_k == 0) {
+    P.empty = "no_keys";
+  } else {
+    MLA_CHECK(P.max_q > 0, "mla_autograd sm100: max_seqlen_q is 0 but q has ", P.total_q, " rows");
+  }
+}
+
 inline py::tuple tup(std::initializer_list<py::object> xs) {
   py::tuple t(xs.size());
   size_t i = 0;

@@ -24,6 +24,13 @@ inline const char* mask_name(Mask m) {
 inline const char* dtype_name(DType d) { return d == DType::kBF16 ? "bf16" : "fp16"; }
 inline const char* head_dims_name(HeadDims h) { return h == HeadDims::kMla192x128 ? "192x128" : "128x128"; }
 
+// The one of four per-(dtype, head dims) entry points (the translation units below) that serves dt, hd.
+template <class Fn>
+Fn pick_variant(DType dt, HeadDims hd, Fn bf16_mla, Fn bf16_mha, Fn fp16_mla, Fn fp16_mha) {
+  const bool mla = hd == HeadDims::kMla192x128;
+  return dt == DType::kBF16 ? (mla ? bf16_mla : bf16_mha) : (mla ? fp16_mla : fp16_mha);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: one launch of the CUTLASS example-77 forward kernel.
 // Strides are in elements and already validated to fit in int32 by the host planner.
