@@ -219,6 +219,28 @@ def _decode_case():
     return (torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 1, 2, 8, generator=g), ckv, kpe, table, lens)
 
 
+def test_decode_fast_route_key_reads_what_the_routes_read():
+    """decode's fast path keys its memo on fields read off the tensors (no Call built, for host time): two calls
+    share a fast key exactly when they share the dispatch's route key (ROUTE_FIELDS["decode"]), so a route taken
+    for one call is never reused for a call the table could route elsewhere."""
+    from mla_autograd import _ops
+    from mla_autograd._dispatch import ROUTE_FIELDS
+    assert set(ROUTE_FIELDS["decode"]) == {"device", "dtype", "dims", "num_heads", "seqlen_q", "page_size"}
+    fast_to_route, route_to_fast = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for sq, h, dc, dr, page in [(1, 2, 16, 8, 4), (2, 2, 16, 8, 4), (1, 4, 16, 8, 4), (1, 2, 32, 8, 4),
+                                    (1, 2, 16, 4, 4), (1, 2, 16, 8, 8), (3, 16, 512, 64, 64)]:
+            for batch, pages in ((2, 3), (5, 7)):  # what the route does not read may differ
+                q_nope = torch.empty(batch, sq, h, dc, dtype=dtype)
+                q_pe = torch.empty(batch, sq, h, dr, dtype=dtype)
+                ckv = torch.empty(pages, page, dc, dtype=dtype)
+                fast = _ops._decode_route_key(q_nope, q_pe, ckv)
+                route = _ops.decode_call(q_nope, q_pe, ckv).route_key()
+                assert fast_to_route.setdefault(fast, route) == route
+                assert route_to_fast.setdefault(route, fast) == fast
+    assert len(fast_to_route) == 14
+
+
 def test_decode_fast_path_takes_only_memoised_routes_and_falls_back(monkeypatch):
     """decode's fast path runs a route's kernel only after the checked path took that route, never while values
     are checked or autograd records, and anything the kernel refuses goes the checked way (here the reference
