@@ -11,6 +11,8 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/fmha_params.h"
+
 
 namespace mla_sm90 {
 
@@ -30,23 +32,24 @@ CUTE_HOST_DEVICE void varlen_rows(int const* cu, int b, int rows, int max_len, i
   len = e - s < max_len ? e - s : max_len;
 }
 
-// Sequence info of the forward: lengths and row offsets of batch b, dense or varlen (cu_seqlens int32
-// (B+1), read through varlen_rows; seqlen_q/seqlen_k are then the max lengths, rows_q/rows_k the packed rows).
+// Lengths and first rows of sequence b, dense or varlen (cu_seqlens read through varlen_rows), as every
+// SM90 kernel of a call sees them.
 struct SeqInfo {
-  int seqlen_q, seqlen_k;   // lengths of this sequence
+  int seqlen_q, seqlen_k;      // lengths of this sequence
   int64_t offset_q, offset_k;  // first row of this sequence in the (packed or per-batch) tensor
 
-  CUTE_DEVICE SeqInfo(int b, int dense_sq, int dense_sk, int rows_q, int rows_k, int const* cu_q, int const* cu_k) {
-    if (cu_q != nullptr) {
-      varlen_rows(cu_q, b, rows_q, dense_sq, offset_q, seqlen_q);
+  SeqInfo() = default;
+  CUTE_DEVICE SeqInfo(FmhaProblemParams const& p, int b) {
+    if (p.cu_seqlens_q != nullptr) {
+      varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, offset_q, seqlen_q);
     } else {
-      seqlen_q = dense_sq;
+      seqlen_q = p.seqlen_q;
       offset_q = 0;
     }
-    if (cu_k != nullptr) {
-      varlen_rows(cu_k, b, rows_k, dense_sk, offset_k, seqlen_k);
+    if (p.cu_seqlens_k != nullptr) {
+      varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, offset_k, seqlen_k);
     } else {
-      seqlen_k = dense_sk;
+      seqlen_k = p.seqlen_k;
       offset_k = 0;
     }
   }

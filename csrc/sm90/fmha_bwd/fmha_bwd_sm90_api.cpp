@@ -229,14 +229,12 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   p.batch = int(batch);
   p.hq = int(hq);
   p.hkv = int(hkv);
-  p.head_dim = int(d);
+  p.head_dim_qk = int(d);
   p.head_dim_v = int(dvd);
-  p.seqlen_q = int(sq);
-  p.seqlen_k = int(sk);
-  p.max_seqlen_q = int(msq);
-  p.max_seqlen_k = int(msk);
-  p.total_q = int(tq);
-  p.total_k = int(tk);
+  p.seqlen_q = int(msq);  // dense: the lengths (msq == sq); varlen: the bound
+  p.seqlen_k = int(msk);
+  p.rows_q = int(varlen ? tq : sq);
+  p.rows_k = int(varlen ? tk : sk);
   p.softmax_scale = float(softmax_scale);
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;

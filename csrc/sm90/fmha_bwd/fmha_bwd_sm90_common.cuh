@@ -39,30 +39,16 @@ namespace fmha_bwd_sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
-// Per-sequence geometry shared by all kernels.
-struct Seq {
-  int len_q, len_k;
-  int64_t start_q, start_k;  // first row of the sequence in the q/k tensors (0 for dense)
-  int64_t scratch_start;     // first scratch row of the sequence (multiple of BM)
+// A sequence's lengths and first rows (the forward's SeqInfo) and its first row of the fp32 scratch.
+struct Seq : mla_sm90::SeqInfo {
+  int64_t scratch_start;  // a multiple of BM: round_down(row0 + b * BM, BM), row0 = offset_q (varlen) or b * seqlen_q
 };
 
 template <int BM>
 __device__ __forceinline__ Seq get_seq(const FmhaBwdSm90Params& p, int b) {
-  Seq s;
-  int64_t row0;
-  if (p.cu_seqlens_q != nullptr) {  // the forward's clamped ranges (varlen_rows, sm90_attn_common.cuh)
-    mla_sm90::varlen_rows(p.cu_seqlens_q, b, p.total_q, p.max_seqlen_q, s.start_q, s.len_q);
-    mla_sm90::varlen_rows(p.cu_seqlens_k, b, p.total_k, p.max_seqlen_k, s.start_k, s.len_k);
-    row0 = s.start_q;
-  } else {
-    s.len_q = p.seqlen_q;
-    s.len_k = p.seqlen_k;
-    s.start_q = 0;
-    s.start_k = 0;
-    row0 = int64_t(b) * p.seqlen_q;
-  }
-  s.scratch_start = (row0 + int64_t(b) * BM) / BM * BM;
-  return s;
+  const mla_sm90::SeqInfo si(p, b);
+  const int64_t row0 = p.cu_seqlens_q != nullptr ? si.offset_q : int64_t(b) * p.seqlen_q;
+  return Seq{si, (row0 + int64_t(b) * BM) / BM * BM};
 }
 
 // Position of column c inside the permuted dq_accum row: within each group of 16 columns the

@@ -1,8 +1,9 @@
-// dK/dV epilogue of the SM90 fused attention backward's main kernel (family fmha_bwd_sm90): the TMA store
-// of K/V blocks inside their sequence (the register stores of the others are in the consumers,
-// fmha_bwd_sm90_mainloop.cuh). fmha_bwd_sm90_kernel.cuh describes the whole.
+// dK/dV epilogue of the SM90 fused attention backward's main kernel (family fmha_bwd_sm90), for both
+// schedules: the TMA store of K/V blocks inside their sequence, predicated register stores for the blocks
+// that cross its end. fmha_bwd_sm90_kernel.cuh describes the whole.
 #pragma once
 
+#include "fmha_bwd_sm90_scheduler.cuh"
 #include "fmha_bwd_sm90_traits.cuh"
 
 namespace fmha_bwd_sm90 {
@@ -45,9 +46,9 @@ __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename
     const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-    Tensor mdK = domain_offset(make_coord(int(sq.start_k), _0{}),
+    Tensor mdK = domain_offset(make_coord(int(sq.offset_k), _0{}),
                                args.tma_dk.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
-    Tensor mdV = domain_offset(make_coord(int(sq.start_k), _0{}),
+    Tensor mdV = domain_offset(make_coord(int(sq.offset_k), _0{}),
                                args.tma_dv.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
     Tensor gdK = local_tile(mdK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
     Tensor gdV = local_tile(mdV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
@@ -57,6 +58,100 @@ __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename
     copy(args.tma_dv, tdVsdV, tdVgdV);
     tma_store_arrive();
     tma_store_wait<0>();  // the smem tiles are read before the CTA (and its smem) goes
+  }
+}
+
+// The elements of a dK or dV accumulator whose key lies inside the sequence (key0 + key < len_k), times
+// `scale`, to the rows of `base` (the sequence's first key row of this kv head). kKeysMajor: the rows of the
+// accumulator are keys (the swapped dK / dV), a thread's adjacent elements are adjacent dims and each pair
+// is one 4-byte store; else its rows are dims (dK^T / dV^T) and each element is one 2-byte store.
+template <bool kKeysMajor, class Element, class Acc, class ThrMma, class AccShape>
+__device__ __forceinline__ void store_dkv_rows(const Acc& acc, const ThrMma& thr, AccShape shape, Element* base,
+                                               int64_t row_stride, int key0, int len_k, float scale) {
+  Tensor cc = thr.partition_C(make_identity_tensor(shape));
+  if constexpr (kKeysMajor) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int key = key0 + get<0>(cc(i)), dim = get<1>(cc(i));
+      if (key < len_k) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(acc(i) * scale);
+        pair[1] = Element(acc(i + 1) * scale);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(key) * row_stride + dim) = pair;
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int dim = get<0>(cc(i)), key = key0 + get<1>(cc(i));
+      if (key < len_k) base[int64_t(key) * row_stride + dim] = Element(acc(i) * scale);
+    }
+  }
+}
+
+// The consumers' epilogue: this CTA's dK (times softmax_scale) and dV, accumulated in fp32 as
+// Tr::ShapedK / Tr::ShapedV by Tr::TiledMmadK / Tr::TiledMmadV (dims x keys unswapped, keys x dims
+// swapped), to p.dk / p.dv as Element. A K/V block inside its sequence leaves by TMA store (store_dkv_tma,
+// staged through the K/V tiles' smem); a block that crosses the sequence end stores from registers,
+// predicated on the key.
+template <class Tr, class AccK, class AccV>
+__device__ __forceinline__ void store_dkv(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss, const CtaWork& w,
+                                          AccK& tdKrdK, AccV& tdVrdV) {
+  using Element = typename Tr::Element;
+  const FmhaBwdSm90Params& p = args.p;
+  const int tidx = threadIdx.x - 128;  // 0..255
+  if (dkv_tma_ok<Tr>(p, w.n_block, w.sq.seqlen_k)) {
+    Tensor tdVr16 = make_tensor_like<Element>(tdVrdV);
+    Tensor tdKr16 = make_tensor_like<Element>(tdKrdK);
+    if constexpr (Tr::Swap) {
+      mla_sm90::convert_frag(tdVrdV, tdVr16);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+      mla_sm90::convert_frag(tdKrdK, tdKr16);
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+      mla_sm90::convert_frag(tdKrdK, tdKr16);
+      mla_sm90::convert_frag(tdVrdV, tdVr16);
+    }
+    Element* k_base = ss.k.data();
+    Element* v_base = ss.v.data();
+    int tidx_s = tidx;
+    if constexpr (!Tr::Swap) {
+      // The staging addresses are derived from bases hidden behind an empty asm, and from an opaque thread
+      // index: hoisted above the main loop (they are loop-invariant) they stayed live through it and spilled.
+      asm volatile("" : "+l"(k_base), "+l"(v_base));
+      asm volatile("" : "+r"(tidx_s));
+    }
+    Tensor sdK = make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutdKStage{});
+    Tensor sdV = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutdVStage{});
+    store_dkv_tma<Tr>(args, ss, tidx_s, make_tiled_copy_C(Copy_Atom<typename Tr::StsmdKV, Element>{}, typename Tr::TiledMmadK{}),
+                      tdKr16, sdK, make_tiled_copy_C(Copy_Atom<typename Tr::StsmdKV, Element>{}, typename Tr::TiledMmadV{}),
+                      tdVr16, sdV);
+    return;
+  }
+  const int key0 = w.n_block * Tr::BN;
+  if constexpr (Tr::Swap) {
+    Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + w.sq.offset_k * p.dv_row_stride +
+                  w.hkv * p.dv_head_stride;
+    Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + w.sq.offset_k * p.dk_row_stride +
+                  w.hkv * p.dk_head_stride;
+    store_dkv_rows<true>(tdVrdV, typename Tr::TiledMmadV{}.get_thread_slice(tidx), typename Tr::ShapedV{}, dv,
+                         p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
+    store_dkv_rows<true>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx), typename Tr::ShapedK{}, dk,
+                         p.dk_row_stride, key0, w.sq.seqlen_k, p.softmax_scale);
+  } else {
+    // coordinates from an opaque thread index, so that nothing for them stays live through the loop
+    int tidx_e = tidx;
+    asm volatile("" : "+r"(tidx_e));
+    auto thr_e = typename Tr::TiledMmadK{}.get_thread_slice(tidx_e);
+    Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + w.sq.offset_k * p.dv_row_stride +
+                  w.hkv * p.dv_head_stride;
+    store_dkv_rows<false>(tdVrdV, thr_e, typename Tr::ShapedV{}, dv, p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
+    Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + w.sq.offset_k * p.dk_row_stride +
+                  w.hkv * p.dk_head_stride;
+    store_dkv_rows<false>(tdKrdK, thr_e, typename Tr::ShapedK{}, dk, p.dk_row_stride, key0, w.sq.seqlen_k,
+                          p.softmax_scale);
   }
 }
 

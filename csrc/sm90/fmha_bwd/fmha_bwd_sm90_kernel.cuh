@@ -25,8 +25,9 @@
 //   fmha_bwd_sm90_preprocess.cuh   preprocess kernel (dpsum, lse_log2, clearing the dQ accumulator)
 //   fmha_bwd_sm90_traits.cuh       main-kernel traits and arguments, named barriers, PTX helpers
 //   fmha_bwd_sm90_scheduler.cuh    what one CTA does (CtaWork) and the launch groups (pair_group)
-//   fmha_bwd_sm90_epilogue.cuh     the dK/dV TMA store
-//   fmha_bwd_sm90_mainloop.cuh     the consumer warpgroups (both schedules), the dQ hand-off
+//   fmha_bwd_sm90_epilogue.cuh     the dK/dV epilogue of both schedules (TMA store, predicated rows)
+//   fmha_bwd_sm90_mainloop.cuh     the consumer warpgroups: one body (consume), the two schedules' main
+//                                  loops, the dQ hand-off
 //   fmha_bwd_sm90_postprocess.cuh  postprocess kernel (dQ convert)
 //   fmha_bwd_sm90_kernel.cuh       (this file) the main kernel (producer, reducer, dispatch) and the launcher
 #pragma once
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   cta_coords(p, n_block, hkv, b);
   // whole CTA, before any barrier; the rest of the CTA's geometry is computed after the warpgroup
   // split (make_cta_work), so that only the block coordinates live across it
-  if (n_block * BN >= get_seq<BM>(p, b).len_k) return;
+  if (n_block * BN >= get_seq<BM>(p, b).seqlen_k) return;
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -125,9 +126,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
       if (w.total_iters > 0) {
         const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
         // K, V of this block (once)
-        Tensor mK = domain_offset(make_coord(int(w.sq.start_k), _0{}),
+        Tensor mK = domain_offset(make_coord(int(w.sq.offset_k), _0{}),
                                   args.tma_k.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
-        Tensor mV = domain_offset(make_coord(int(w.sq.start_k), _0{}),
+        Tensor mV = domain_offset(make_coord(int(w.sq.offset_k), _0{}),
                                   args.tma_v.get_tma_tensor(args.shape_v)(_, _, hkv, bcoord));
         Tensor gK = local_tile(mK, Shape<Int<BN>, Int<D>>{}, make_coord(n_block, _0{}));
         Tensor gV = local_tile(mV, Shape<Int<BN>, Int<DV>>{}, make_coord(n_block, _0{}));
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 
         Tensor mQall = args.tma_q.get_tma_tensor(args.shape_q);
         Tensor mdOall = args.tma_do.get_tma_tensor(args.shape_do);
-        const int start_q = int(w.sq.start_q);
+        const int start_q = int(w.sq.offset_q);
         const int sblk = int(w.sq.scratch_start / BM);  // see the reducer
         const int m_min = w.m_min, m_end = w.m_min + w.n_m, hq_end = (hkv + 1) * w.group;
         int stage = 0;
@@ -176,11 +177,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const CtaWork w = make_cta_work<BM, BN>(p, n_block, hkv, b);
-  if constexpr (Tr::Swap) {
-    consume_swapped<Tr>(args, ss, w);
-  } else {
-    consume_unswapped<Tr>(args, ss, w);
-  }
+  consume<Tr>(args, ss, w);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -192,7 +189,7 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
   using Tr = Traits<Element, D, DV>;
   constexpr int BM = Tr::BM, BN = Tr::BN;
   static_assert(BM == kFmhaBwdSm90BlockM, "scratch layout assumes one BM");
-  const int grid_m = (p.max_seqlen_q + BM - 1) / BM;
+  const int grid_m = (p.seqlen_q + BM - 1) / BM;
 
   if (grid_m > 0) {
     dim3 grid(grid_m, p.hq, p.batch);
@@ -211,8 +208,7 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
                               make_stride(row_stride, _1{}, head_stride, bs));
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), layout);
   };
-  const int rows_q = varlen ? p.total_q : p.seqlen_q;
-  const int rows_k = varlen ? p.total_k : p.seqlen_k;
+  const int rows_q = p.rows_q, rows_k = p.rows_k;
   auto gQ = make_gmem(p.q, rows_q, D, p.hq, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto gdO = make_gmem(p.dout, rows_q, DV, p.hq, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
   auto gK = make_gmem(p.k, rows_k, D, p.hkv, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
@@ -245,7 +241,7 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
     args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
   }
 
-  const int grid_n = (p.max_seqlen_k + BN - 1) / BN;
+  const int grid_n = (p.seqlen_k + BN - 1) / BN;
   if (grid_n > 0) {
     constexpr int smem = Tr::kSmemBytes;
     MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_bwd_sm90_main<Tr>>(smem));

@@ -1,6 +1,6 @@
-// Consumer warpgroups of the SM90 fused attention backward's main kernel (family fmha_bwd_sm90): the
-// unswapped (d = 192) and swapped (d <= 128) main loops over a CTA's M-blocks, the per-M-block dQ hand-off
-// to the reducer warp, and the register epilogue of dK/dV. fmha_bwd_sm90_kernel.cuh describes the whole.
+// Consumer warpgroups of the SM90 fused attention backward's main kernel (family fmha_bwd_sm90): their
+// body (consume), the unswapped (d = 192) and swapped (d <= 128) main loops over a CTA's M-blocks, and
+// the per-M-block dQ hand-off to the reducer warp. fmha_bwd_sm90_kernel.cuh describes the whole.
 #pragma once
 
 #include "fmha_bwd_sm90_epilogue.cuh"
@@ -64,15 +64,16 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
 }
 
 // ------------------------------------------------------------------------------------------------
-// Consumers, unswapped schedule (d = 192): both operands of every wgmma in smem, the two WGs split N.
-template <class Tr>
-__device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
-                                                  const CtaWork& w) {
+// Main loop, unswapped schedule (d = 192): both operands of every wgmma in smem, the two WGs split N.
+// Accumulates dK^T / dV^T (dims x keys) of this CTA's K/V block into tdKrdK / tdVrdV.
+template <class Tr, class AccK, class AccV>
+__device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
+                                                   const CtaWork& w, AccK& tdKrdK, AccV& tdVrdV) {
   using Element = typename Tr::Element;
-  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, DV = Tr::DV, Stages = Tr::Stages;
+  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, Stages = Tr::Stages;
   const FmhaBwdSm90Params& p = args.p;
   const Seq& sq = w.sq;
-  const int n_block = w.n_block, hkv = w.hkv, b = w.b, m_min = w.m_min, n_m = w.n_m, group = w.group;
+  const int n_block = w.n_block, hkv = w.hkv, m_min = w.m_min, n_m = w.n_m, group = w.group;
   const int off = w.off, total_iters = w.total_iters;
   const int tidx = threadIdx.x - 128;  // 0..255
   const int cwg = tidx / 128;          // consumer warpgroup 0/1
@@ -104,8 +105,6 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
   Tensor tPsP = thr_r2s.partition_D(sP);
   Tensor tdSsdS = thr_r2s.partition_D(sdS);
 
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<DV>, Int<BN>>{});
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<D>, Int<BN>>{});
   // dK^T/dV^T start from their first GEMM (zero-initialising wgmma), not from clear(): zeros written
   // by other instructions while the first S/dP GEMMs run would serialize the wgmma pipeline.
 
@@ -182,7 +181,7 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
         CUTE_UNROLL
         for (int i = 0; i < size(tPf); ++i) {
           const int qi = q0 + get<0>(tScSm(i)), kj = k0 + get<1>(tScSm(i));
-          const bool valid = kj < sq.len_k && (!p.causal || kj <= qi + off);
+          const bool valid = kj < sq.seqlen_k && (!p.causal || kj <= qi + off);
           if (!valid) tPf(i) = -INFINITY;
         }
       }
@@ -248,59 +247,10 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
     clear(tdVrdV);  // keys that no query sees: zero gradients
     clear(tdKrdK);
   }
-
-  // ---------------------------------------------------------------- epilogue: dK, dV
-  // A K/V block inside its sequence leaves by TMA store (store_dkv_tma): the accumulators are dK^T/dV^T
-  // here, so the stmatrix transposes. Blocks that cross the sequence end store from registers, predicated.
-  if (dkv_tma_ok<Tr>(p, n_block, sq.len_k)) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
-    Tensor tdKr16 = make_tensor_like<Element>(tdKrdK);
-    Tensor tdVr16 = make_tensor_like<Element>(tdVrdV);
-    mla_sm90::convert_frag(tdKrdK, tdKr16);
-    mla_sm90::convert_frag(tdVrdV, tdVr16);
-    // The staging addresses are derived from bases hidden behind an empty asm: hoisted above the loop
-    // (they are loop-invariant) they stayed live through it and spilled.
-    Element* k_base = ss.k.data();
-    Element* v_base = ss.v.data();
-    asm volatile("" : "+l"(k_base), "+l"(v_base));
-    Tensor sdKt = make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutKt{});  // (D, BN) view
-    Tensor sdVt = make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutVt{});  // (DV, BN) view
-    int tidx_s = tidx;  // opaque: the staging offsets must not be shared with (and kept live from) the loop's
-    asm volatile("" : "+r"(tidx_s));
-    // dK^T / dV^T rows are dims: a transposing stmatrix writes them as K/V rows (keys)
-    auto r2s = make_tiled_copy_C(Copy_Atom<typename Tr::StsmT, Element>{}, mma_dkv);
-    store_dkv_tma<Tr>(args, ss, tidx_s, r2s, tdKr16, sdKt, r2s, tdVr16, sdVt);
-    return;
-  }
-  {
-    // coordinates from an opaque thread index, so that nothing for them stays live through the loop
-    int tidx_e = tidx;
-    asm volatile("" : "+r"(tidx_e));
-    auto thr_dkv_e = mma_dkv.get_thread_slice(tidx_e);
-    Tensor cdV = make_identity_tensor(Shape<Int<DV>, Int<BN>>{});
-    Tensor tdVcdV = thr_dkv_e.partition_C(cdV);
-    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
-                  hkv * p.dv_head_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdVrdV); ++i) {
-      const int dim = get<0>(tdVcdV(i)), key = n_block * BN + get<1>(tdVcdV(i));
-      if (key < sq.len_k) dv[int64_t(key) * p.dv_row_stride + dim] = Element(tdVrdV(i));
-    }
-    Tensor cdK = make_identity_tensor(Shape<Int<D>, Int<BN>>{});
-    Tensor tdKcdK = thr_dkv_e.partition_C(cdK);
-    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
-                  hkv * p.dk_head_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      const int dim = get<0>(tdKcdK(i)), key = n_block * BN + get<1>(tdKcdK(i));
-      if (key < sq.len_k) dk[int64_t(key) * p.dk_row_stride + dim] = Element(tdKrdK(i) * p.softmax_scale);
-    }
-  }
 }
 
 // ------------------------------------------------------------------------------------------------
-// Consumers, swapped schedule (kSwapSdP, d <= 128). Consumer WG c owns keys [64c, 64c + 64) of the
+// Main loop, swapped schedule (kSwapSdP, d <= 128). Consumer WG c owns keys [64c, 64c + 64) of the
 // K/V block. Per M-block:
 //   S^T = K Q^T, dP^T = V dO^T (SS, issued back to back)
 //   P^T = exp2(S^T * scale_log2 - lse_log2[query]) masked;  dV += P^T dO (RS, P^T from registers)
@@ -308,11 +258,12 @@ __device__ __forceinline__ void consume_unswapped(const MainArgs<Tr>& args, type
 //   dS^T -> smem (buffer it % 2), both WGs' halves -> dQ = dS K (SS, the WGs split D)
 // The dS^T buffers alternate, so a WG may store the next M-block's dS^T while the other WG's dQ GEMM
 // still reads this one: one 256-thread barrier per step.
-template <class Tr>
-__device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
-                                                const CtaWork& w) {
+// Accumulates dK / dV (keys x dims) of this CTA's K/V block into tdKrdK / tdVrdV.
+template <class Tr, class AccK, class AccV>
+__device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss,
+                                                 const CtaWork& w, AccK& tdKrdK, AccV& tdVrdV) {
   using Element = typename Tr::Element;
-  using BMt = typename Tr::BMt; using BNt = typename Tr::BNt; using Dt = typename Tr::Dt; using DVt = typename Tr::DVt;
+  using BMt = typename Tr::BMt; using BNt = typename Tr::BNt; using Dt = typename Tr::Dt;
   constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, Stages = Tr::Stages;
   const FmhaBwdSm90Params& p = args.p;
   const Seq& sq = w.sq;
@@ -349,8 +300,6 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
   const uint32_t ds_addr0 = cute::cast_smem_ptr_to_uint(&tdSsdS0(0));
   const uint32_t ds_addr1 = cute::cast_smem_ptr_to_uint(&tdSsdS1(0));
 
-  Tensor tdVrdV = partition_fragment_C(mma_dv, Shape<BNt, DVt>{});  // (keys, dv) rows of this WG
-  Tensor tdKrdK = partition_fragment_C(mma_dk, Shape<BNt, Dt>{});
   clear(tdVrdV);
   clear(tdKrdK);
 
@@ -398,7 +347,7 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
           const int key = key0 + get<0>(cS_rc(r, c));
           // key visible to query q iff key < len_k and (!causal or key - off <= q)
           const int qmin = p.causal ? key - w.off - q0 : INT_MIN;  // smallest visible query column
-          const bool in_k = key < sq.len_k;
+          const bool in_k = key < sq.seqlen_k;
           if (!(in_k && qc >= qmin)) S_rc(r, c) = -INFINITY;
           if (!(in_k && qc + 1 >= qmin)) S_rc(r, c + 1) = -INFINITY;
         }
@@ -472,42 +421,22 @@ __device__ __forceinline__ void consume_swapped(const MainArgs<Tr>& args, typena
     for (int m = w.m_min; m < m_unmasked; ++m) step(m, cute::true_type{});
     for (int m = m_unmasked; m < w.m_min + w.n_m; ++m) step(m, cute::false_type{});
   }
+}
 
-  // ---------------------------------------------------------------- epilogue: dK, dV
-  // Rows are keys, columns dims, as in the K/V tiles: a plain stmatrix stages them for the TMA store.
-  if (dkv_tma_ok<Tr>(p, w.n_block, sq.len_k)) {
-    Tensor tdVr16 = make_tensor_like<Element>(tdVrdV);
-    mla_sm90::convert_frag(tdVrdV, tdVr16);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
-    Tensor tdKr16 = make_tensor_like<Element>(tdKrdK);
-    mla_sm90::convert_frag(tdKrdK, tdKr16);
-    Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-    store_dkv_tma<Tr>(args, ss, tidx, make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dk), tdKr16, sdK,
-                      make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dv), tdVr16, sdV);
-    return;
+// ------------------------------------------------------------------------------------------------
+// The consumer warpgroups' body: this CTA's dK / dV accumulated by the schedule's main loop (Tr::Swap:
+// unswapped for d = 192, swapped for d <= 128; fmha_bwd_sm90_config.h says why), then stored
+// (store_dkv). The accumulators are dK^T / dV^T (dims x keys) unswapped and dK / dV (keys x dims) swapped.
+template <class Tr>
+__device__ __forceinline__ void consume(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss, const CtaWork& w) {
+  Tensor tdVrdV = partition_fragment_C(typename Tr::TiledMmadV{}, typename Tr::ShapedV{});
+  Tensor tdKrdK = partition_fragment_C(typename Tr::TiledMmadK{}, typename Tr::ShapedK{});
+  if constexpr (Tr::Swap) {
+    mainloop_swapped<Tr>(args, ss, w, tdKrdK, tdVrdV);
+  } else {
+    mainloop_unswapped<Tr>(args, ss, w, tdKrdK, tdVrdV);
   }
-  // blocks crossing the sequence end: adjacent dims of a thread form one predicated 4-byte store
-  auto store_rows = [&](const auto& acc, const auto& thr, auto shape, Element* base, int64_t row_stride, float scale) {
-    Tensor cc = thr.partition_C(make_identity_tensor(shape));
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
-      const int key = key0 + get<0>(cc(i)), dim = get<1>(cc(i));
-      if (key < sq.len_k) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = Element(acc(i) * scale);
-        pair[1] = Element(acc(i + 1) * scale);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(key) * row_stride + dim) = pair;
-      }
-    }
-  };
-  Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + sq.start_k * p.dv_row_stride +
-                w.hkv * p.dv_head_stride;
-  Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + sq.start_k * p.dk_row_stride +
-                w.hkv * p.dk_head_stride;
-  store_rows(tdVrdV, thr_dv, Shape<BNt, DVt>{}, dv, p.dv_row_stride, 1.f);
-  store_rows(tdKrdK, thr_dk, Shape<BNt, Dt>{}, dk, p.dk_row_stride, p.softmax_scale);
+  store_dkv<Tr>(args, ss, w, tdKrdK, tdVrdV);
 }
 
 }  // namespace fmha_bwd_sm90

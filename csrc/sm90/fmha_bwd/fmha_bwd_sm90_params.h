@@ -7,15 +7,16 @@
 
 #include <cuda_runtime_api.h>
 
-struct FmhaBwdSm90Params {
-  // inputs
-  const void* q;
-  const void* k;
-  const void* v;
+#include "common/fmha_params.h"
+
+// q, k, v and the problem (common/fmha_params.h), then what the backward reads besides, writes and uses as
+// scratch, and how it is launched.
+struct FmhaBwdSm90Params : FmhaProblemParams {
+  // inputs: the forward's out and lse, and dout (shaped like out)
   const void* o;
   const void* dout;
   const float* lse;
-  // outputs
+  // outputs, shaped like q, k, v
   void* dq;
   void* dk;
   void* dv;
@@ -27,12 +28,6 @@ struct FmhaBwdSm90Params {
   int* dq_sem;       // (Hq, scratch_rows / BM) deterministic-mode semaphores (or nullptr)
   int64_t scratch_rows;
 
-  const int* cu_seqlens_q;   // nullptr when dense
-  const int* cu_seqlens_k;
-
-  int64_t q_batch_stride, q_row_stride, q_head_stride;
-  int64_t k_batch_stride, k_row_stride, k_head_stride;
-  int64_t v_batch_stride, v_row_stride, v_head_stride;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -40,14 +35,8 @@ struct FmhaBwdSm90Params {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int64_t lse_batch_stride, lse_head_stride;   // lse row stride is 1
 
-  int batch, hq, hkv, head_dim, head_dim_v;
-  int seqlen_q, seqlen_k;          // dense lengths (unused for varlen)
-  int max_seqlen_q, max_seqlen_k;  // grid sizes
-  int total_q, total_k;            // rows of the q / k tensors (varlen: Tq/Tk; dense: seqlen)
-
-  float softmax_scale;
   float scale_log2;                // softmax_scale * log2(e)
-  bool causal, bottom_right, deterministic, is_bf16;
+  bool deterministic;
   // Main kernel launch order (set by the launcher): grouped_tile (sm90_attn_common.cuh) over
   // (kv head, batch) pairs x K/V blocks, this many pairs per group, K/V block 0 (the longest under a
   // causal mask) first. 1 = one pair after another; hkv * batch = every pair interleaved.

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
   static_assert(BM * kRowVecs % 256 == 0, "whole vectors per thread");
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Seq s = get_seq<BM>(p, b);
-  if (m * BM >= s.len_q) return;
+  if (m * BM >= s.seqlen_q) return;
   const float4* src = reinterpret_cast<const float4*>(
       p.dq_accum + (int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM) * D);
   float4 x[kVecs];
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
   for (int k = 0; k < kVecs; ++k) {
     const int f = threadIdx.x + 256 * k;
     x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m * BM + f / kRowVecs < s.len_q) x[k] = __ldcs(src + f);
+    if (m * BM + f / kRowVecs < s.seqlen_q) x[k] = __ldcs(src + f);
   }
   using CuteElement = typename CuteType<Element>::type;  // same bits, with cutlass's converters
   using Pair = cutlass::Array<CuteElement, 2>;
@@ -38,9 +38,9 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
   for (int k = 0; k < kVecs; ++k) {
     const int f = threadIdx.x + 256 * k;
     const int r = f / kRowVecs, c4 = f % kRowVecs, i = m * BM + r;
-    if (i >= s.len_q) continue;
+    if (i >= s.seqlen_q) continue;
     const int col = dq_vec_col(r, c4);
-    Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.start_q + i) * p.dq_row_stride +
+    Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + (s.offset_q + i) * p.dq_row_stride +
                    h * p.dq_head_stride + col;
     cutlass::Array<float, 2> lo, hi;
     lo[0] = x[k].x * p.softmax_scale; lo[1] = x[k].y * p.softmax_scale;

@@ -17,16 +17,16 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm9
   static_assert(DV % 32 == 0, "dv multiple of 32");
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Seq s = get_seq<BM>(p, b);
-  if (m * BM >= s.len_q) return;
+  if (m * BM >= s.seqlen_q) return;
   const int tid = threadIdx.x;
   const int r = tid >> 2, part = tid & 3;
   const int i = m * BM + r;
   float acc = 0.f;
-  if (i < s.len_q) {
+  if (i < s.seqlen_q) {
     const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride +
-                       (s.start_q + i) * p.o_row_stride + h * p.o_head_stride;
+                       (s.offset_q + i) * p.o_row_stride + h * p.o_head_stride;
     const Element* d = static_cast<const Element*>(p.dout) + b * p.do_batch_stride +
-                       (s.start_q + i) * p.do_row_stride + h * p.do_head_stride;
+                       (s.offset_q + i) * p.do_row_stride + h * p.do_head_stride;
 #pragma unroll
     for (int c = part * 8; c < DV; c += 32) {
       uint4 ov = *reinterpret_cast<const uint4*>(o + c);
@@ -42,13 +42,13 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm9
   const int64_t srow = int64_t(h) * p.scratch_rows + s.scratch_start + int64_t(m) * BM + r;
   if (part == 0) {
     float l2 = INFINITY;
-    if (i < s.len_q) {
-      float l = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.start_q + i];
+    if (i < s.seqlen_q) {
+      float l = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s.offset_q + i];
       l2 = (l == -INFINITY) ? INFINITY : l * float(M_LOG2E);
       if (l2 != l2) l2 = INFINITY;  // NaN lse: treat as "no key"
     }
     p.lse_log2[srow] = l2;
-    p.dpsum[srow] = (i < s.len_q) ? acc : 0.f;
+    p.dpsum[srow] = (i < s.seqlen_q) ? acc : 0.f;
   }
   // clear the fp32 dQ accumulator rows of this block
   float4* acc4 = reinterpret_cast<float4*>(p.dq_accum +

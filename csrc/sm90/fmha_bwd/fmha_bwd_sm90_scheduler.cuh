@@ -24,7 +24,7 @@ struct CtaWork {
   template <int BM, int BN>
   __device__ __forceinline__ int first_unmasked_m(bool causal) const {
     const int end = m_min + n_m;
-    if ((n_block + 1) * BN > sq.len_k) return end;
+    if ((n_block + 1) * BN > sq.seqlen_k) return end;
     if (!causal) return m_min;
     const int x = (n_block + 1) * BN - 1 - off;  // query q needs no mask iff q >= x
     const int m = x <= 0 ? 0 : (x + BM - 1) / BM;
@@ -50,7 +50,7 @@ __device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int
   CtaWork w;
   w.sq = get_seq<BM>(p, b);
   w.n_block = n_block; w.hkv = hkv; w.b = b;
-  const mla_sm90::MaskInfo mask(w.sq.len_q, w.sq.len_k, p.causal, p.bottom_right);  // the forward's geometry
+  const mla_sm90::MaskInfo mask(w.sq.seqlen_q, w.sq.seqlen_k, p.causal, p.bottom_right);  // the forward's geometry
   w.off = mask.diag;
   int m_max;
   mask.m_block_range<BM, BN>(n_block, w.m_min, m_max);
@@ -81,8 +81,8 @@ inline int pair_group(const FmhaBwdSm90Params& p, int forced, int l2_bytes) {
   if (forced > 0) return forced < pairs ? forced : pairs;
   if (!p.causal) return 1;
   if (p.deterministic) return pairs;
-  const double per_pair = double(p.max_seqlen_q) * (p.hq / p.hkv) *
-                          ((p.head_dim + p.head_dim_v) * 2.0 + p.head_dim * 4.0);
+  const double per_pair = double(p.seqlen_q) * (p.hq / p.hkv) *
+                          ((p.head_dim_qk + p.head_dim_v) * 2.0 + p.head_dim_qk * 4.0);
   const double fit = per_pair > 0 ? kFmhaBwdSm90L2GroupShare * l2_bytes / per_pair : pairs;
   int g = 1;
   while (2 * g <= fit && 2 * g <= pairs) g *= 2;

@@ -75,6 +75,17 @@ struct Traits {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Dt, _16>, GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutKeys{}));
 
+  // The dK / dV accumulators of the schedule, their (row, col) shapes and how the epilogue stages them for
+  // the TMA store: unswapped, dK^T / dV^T (dims x keys), written as K / V rows (keys) by a transposing
+  // stmatrix into transposed views of the K / V tiles; swapped, dK / dV (keys x dims), as the tiles are.
+  using TiledMmadK = std::conditional_t<Swap, TiledMmadKs, TiledMmadKV>;
+  using TiledMmadV = std::conditional_t<Swap, TiledMmadVs, TiledMmadKV>;
+  using ShapedK = std::conditional_t<Swap, Shape<BNt, Dt>, Shape<Dt, BNt>>;
+  using ShapedV = std::conditional_t<Swap, Shape<BNt, DVt>, Shape<DVt, BNt>>;
+  using StsmdKV = std::conditional_t<Swap, SM90_U32x4_STSM_N, StsmT>;
+  using SmemLayoutdKStage = std::conditional_t<Swap, SmemLayoutK, SmemLayoutKt>;
+  using SmemLayoutdVStage = std::conditional_t<Swap, SmemLayoutV, SmemLayoutVt>;
+
   struct SharedStorage {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;

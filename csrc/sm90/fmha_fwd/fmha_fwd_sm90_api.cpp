@@ -152,7 +152,7 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
 
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
   p.o = out.data_ptr(); p.lse = lse.data_ptr<float>();
-  p.batch = int(B); p.hq = int(Hq); p.hkv = int(Hkv); p.dqk = int(Dqk); p.dv = int(Dv);
+  p.batch = int(B); p.hq = int(Hq); p.hkv = int(Hkv); p.head_dim_qk = int(Dqk); p.head_dim_v = int(Dv);
   p.seqlen_q = int(Sq); p.seqlen_k = int(Sk); p.rows_q = int(rows_q); p.rows_k = int(rows_k);
   p.softmax_scale = float(softmax_scale);
   p.causal = causal; p.bottom_right = bottom_right;

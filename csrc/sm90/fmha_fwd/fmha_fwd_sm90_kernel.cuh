@@ -470,7 +470,7 @@ inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb, int forced, int
   if (forced == 0) return num_hb;
   if (forced > 0) return forced < num_hb ? forced : num_hb;
   // K/V bytes per query head (GQA: a K/V head serves hq / hkv consecutive query heads)
-  double const per_head = double(p.seqlen_k) * (p.dqk + p.dv) * 2.0 * p.hkv / p.hq;
+  double const per_head = double(p.seqlen_k) * (p.head_dim_qk + p.head_dim_v) * 2.0 * p.hkv / p.hq;
   int64_t g = per_head > 0 ? int64_t(0.25 * l2_bytes / per_head) : num_hb;
   if (g < 1) g = 1;
   return g < num_hb ? int(g) : num_hb;

@@ -6,30 +6,17 @@
 #include <cuda_runtime.h>
 
 #include "common/device_info.h"
+#include "common/fmha_params.h"
 
-struct FmhaFwdSm90Params {
-  // Pointers (16-byte aligned).
-  void const* q;
-  void const* k;
-  void const* v;
+// q, k, v and the problem (common/fmha_params.h), then what the forward writes and how it is launched.
+struct FmhaFwdSm90Params : FmhaProblemParams {
+  // out (B, Sq, Hq, head_dim_v) dense or (rows_q, Hq, head_dim_v) varlen, dtype of q; row / head / batch
+  // strides (batch 0 varlen). 16-byte aligned.
   void* o;
-  float* lse;
-
-  // q (B, Sq, Hq, Dqk) dense or (Tq, Hq, Dqk) varlen: row / head / batch strides (batch unused in varlen).
-  int64_t q_row_stride, q_head_stride, q_batch_stride;
-  int64_t k_row_stride, k_head_stride, k_batch_stride;
-  int64_t v_row_stride, v_head_stride, v_batch_stride;
   int64_t o_row_stride, o_head_stride, o_batch_stride;
-  // lse (B, Hq, Sq) dense or (Hq, Tq) varlen; the row stride is 1.
+  // lse fp32 (B, Hq, Sq) dense or (Hq, rows_q) varlen; the row stride is 1.
+  float* lse;
   int64_t lse_head_stride, lse_batch_stride;
-
-  int batch;             // number of sequences
-  int hq, hkv;           // query heads, key/value heads (hq % hkv == 0)
-  int dqk, dv;           // head dims
-  int seqlen_q, seqlen_k;  // dense: lengths; varlen: max lengths
-  int rows_q, rows_k;    // rows of the q/k tensors along the sequence dim (dense: Sq/Sk; varlen: Tq/Tk)
-  int const* cu_seqlens_q;  // nullptr when dense
-  int const* cu_seqlens_k;
 
   // Launch order (set by the launcher): heads are taken in groups of this many (head, batch) pairs whose
   // K/V fit in L2 together; see grouped_tile in sm90_attn_common.cuh.
@@ -39,11 +26,6 @@ struct FmhaFwdSm90Params {
   // One int32, zero at launch (the host layer clears it on the stream where fmha_fwd_sm90_dynamic_tiles):
   // the dynamic tile scheduler's count of tiles taken beyond the first gridDim.x; nullptr otherwise.
   int* tile_counter;
-
-  float softmax_scale;
-  bool causal;
-  bool bottom_right;
-  bool is_bf16;
 };
 
 // Host-side launch options: what the test-only entry fwd_with_options can set (tests, benchmarks); fwd uses

@@ -36,7 +36,7 @@ struct FwdTile {
 
   template <int kBM, int kBN>
   CUTE_DEVICE static FwdTile at(FmhaFwdSm90Params const& p, FwdTileCoord c) {
-    SeqInfo si(c.b, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    SeqInfo si(p, c.b);
     MaskInfo mi(si.seqlen_q, si.seqlen_k, p.causal, p.bottom_right);
     FwdTile tile{c.h, c.b, c.m_block, si, mi, 0, 0};
     mi.template n_block_range<kBM, kBN>(tile.m_block, tile.n_min, tile.n_max);
