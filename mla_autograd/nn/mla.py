@@ -313,7 +313,11 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"cache is on {cache.device} but hidden_states is on {h.device}")
 
     def _project(self, h, position_ids):
-        """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h."""
+        """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h.
+
+        q_nope (..., H, qk_nope) is a view of the query projection; q_pe (..., H, qk_rope) and k_pe
+        (..., qk_rope) are new contiguous tensors that the rotary reads from strided views of the query and
+        latent projections (on CUDA one Triton launch each, see `apply_rotary`); c (..., kv_lora_rank)."""
         q_nope, q_pe = self._queries(h)
         c, k_pe = self._latents(h)
         cos, sin = self.rotary(position_ids)  # (..., d/2), broadcast over the batch when (S,)

@@ -4,7 +4,9 @@ Numerics follow Hugging Face transformers' DeepseekV3 (and DeepSeek's own refere
 
 - inverse frequencies and the angle table are computed in float32, ``cos``/``sin`` are multiplied
   by the YaRN attention factor (``mscale / mscale_all_dim``) in float32;
-- the rotation is applied in float32 (float64 for float64 inputs) and cast back to the input dtype;
+- the rotation is applied in float32 (float64 for float64 inputs) and cast back to the input dtype,
+  rounded once; on CUDA tensors (bfloat16/float16/float32) by one Triton kernel per direction
+  (``mla_autograd::rotary``, see `apply_rotary`), bit-identical to the torch ops that run everywhere else;
 - ``interleaved=True`` (DeepSeek's checkpoints, ``rope_interleave=True`` in transformers) rotates the
   pairs ``(x0, x1), (x2, x3), ...``; ``interleaved=False`` rotates ``(x_i, x_{i+d/2})`` (rotate_half).
   Either way the output is laid out half-split: ``[x_even' ..., x_odd' ...]``, exactly like
@@ -14,11 +16,14 @@ Numerics follow Hugging Face transformers' DeepseekV3 (and DeepSeek's own refere
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from .._ops import eager_direct
 
 __all__ = [
     "yarn_get_mscale",
@@ -102,22 +107,147 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: Mapping[str, Any] | None =
     return scale
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
-    """Rotate the last dim of x (..., [H,] d) by angles with cos/sin (..., d/2) (float32).
-
-    cos/sin broadcast against x without its last dim; pass them unsqueezed for a head dim.
-    Returns x's dtype, half-split layout (see the module docstring).
-    """
+def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_interleaved: bool,
+                  out_interleaved: bool, negate_sin: bool) -> torch.Tensor:
+    """The rotation as torch ops (differentiable through them): see `apply_rotary`, and `_rope_triton.rotate`
+    for x_interleaved / out_interleaved / negate_sin. Computed in float32 (float64 for float64 x)."""
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cd)
     # unbind / chunk rather than two slices: their backward is one stack / concatenation, where each
     # slice's backward would zero-fill a tensor of x's whole shape and the two would be added
-    if interleaved:
+    if x_interleaved:
         x1, x2 = xc.unflatten(-1, (-1, 2)).unbind(-1)
     else:
         x1, x2 = xc.chunk(2, dim=-1)
     c, s = cos.to(cd), sin.to(cd)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    if negate_sin:
+        s = -s
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    y = torch.stack([y1, y2], dim=-1).flatten(-2) if out_interleaved else torch.cat([y1, y2], dim=-1)
+    return y.to(x.dtype)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Device types whose tensors the Triton kernel takes. The tests add "cpu" under Triton's interpreter
+# (TRITON_INTERPRET=1), which runs the kernel on CPU tensors.
+_KERNEL_DEVICE_TYPES = ("cuda",)
+# Looked up, not imported: `import mla_autograd.nn` does not import triton (the kernel module does, on first use)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The Triton kernel serves the call: x a non-empty CUDA tensor of rank 1 to 4 in bfloat16/float16/float32
+    with an even last dim, cos/sin float32 of one shape on x's device that broadcast against x without its
+    last dim (to x's own leading shape) and have D/2 as their last dim. Metadata only."""
+    if not (_HAS_TRITON and x.device.type in _KERNEL_DEVICE_TYPES and x.dtype in _KERNEL_DTYPES):
+        return False
+    if not 1 <= x.dim() <= 4:
+        return False
+    if x.numel() == 0 or x.shape[-1] % 2:
+        return False
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.device != x.device or sin.device != x.device:
+        return False
+    if cos.shape != sin.shape or cos.dim() < 1 or cos.shape[-1] != x.shape[-1] // 2 or cos.dim() > x.dim():
+        return False
+    lead, clead = x.shape[:-1], cos.shape[:-1]
+    # broadcastable to x's leading shape: every dim of cos (aligned on the right) is 1 or x's
+    return all(c == 1 or c == n for c, n in zip(clead, lead[len(lead) - len(clead):]))
+
+
+def _rotary_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                 inverse: bool) -> torch.Tensor:
+    """Body of the mla_autograd::rotary op (no autograd here): the Triton kernel where `_kernel_takes`, else
+    the same rotation as torch ops. inverse: the transposed rotation (x in the half-split layout, the result
+    in the pair layout `interleaved` names), which is the forward's backward."""
+    x_interleaved, out_interleaved = (False, interleaved) if inverse else (interleaved, False)
+    if not _kernel_takes(x, cos, sin):
+        return _rotate_torch(x, cos, sin, x_interleaved, out_interleaved, inverse)
+    from . import _rope_triton
+    lead = (1,) * (4 - x.dim())
+    shape4 = (*lead, *x.shape[:-1])
+    # (A, B, C, D) views for the kernel: leading size-1 dims, cos/sin expanded to x's rows (stride 0, no copy)
+    x4 = x.view(*lead, *x.shape) if lead else x
+    cos4 = cos.expand(*shape4, cos.shape[-1])
+    sin4 = sin.expand(*shape4, sin.shape[-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rope_triton.rotate(x4, cos4, sin4, out.view(x4.shape), x_interleaved=x_interleaved,
+                        out_interleaved=out_interleaved, negate_sin=inverse)
+    return out
+
+
+# x rotated by cos/sin, computed by _rotary_impl; differentiable in x (its backward is the op with inverse
+# flipped: the rotation is linear), never in cos/sin (apply_rotary keeps calls whose cos/sin need a gradient
+# on the torch path). The output is a new contiguous tensor of x's shape and dtype.
+rotary_op = torch.library.custom_op("mla_autograd::rotary", mutates_args=())(_rotary_impl)
+
+
+@rotary_op.register_fake
+def _(x, cos, sin, interleaved, inverse):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _rotary_setup_context(ctx, inputs, output) -> None:
+    _, cos, sin, interleaved, inverse = inputs
+    ctx.save_for_backward(cos, sin)  # the tables only (D/2 floats per position), never activations
+    ctx.flags = (interleaved, inverse)
+
+
+def _rotary_backward(ctx, dout: torch.Tensor):
+    cos, sin = ctx.saved_tensors
+    interleaved, inverse = ctx.flags
+    return _rotary(dout, cos, sin, interleaved, not inverse), None, None, None, None
+
+
+rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+
+
+class _EagerRotary(torch.autograd.Function):
+    """rotary_op with its registered autograd, for plain eager tensors: the op's body and formulas without
+    the custom-op dispatcher (as _ops does for attention)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved, inverse):
+        out = _rotary_impl(x, cos, sin, interleaved, inverse)
+        _rotary_setup_context(ctx, (x, cos, sin, interleaved, inverse), out)
+        return out
+
+    backward = staticmethod(_rotary_backward)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool) -> torch.Tensor:
+    """rotary_op's result, differentiable in x: the op under torch.compile and for tensor subclasses; for plain
+    eager tensors _EagerRotary where autograd records the call, else the op's body."""
+    if not eager_direct(x, cos, sin):
+        return rotary_op(x, cos, sin, interleaved, inverse)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _EagerRotary.apply(x, cos, sin, interleaved, inverse)
+    return _rotary_impl(x, cos, sin, interleaved, inverse)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of x by the angles whose cosines and sines cos/sin hold.
+
+    Args:
+        x: (..., D) any float dtype, any strides (e.g. q_pe (B, S, H, D), a view of the query projection's
+            output, or k_pe (B, S, D), a view of kv_a_proj_with_mqa's); D even. Its pairs are
+            (x[..., 2p], x[..., 2p+1]) when interleaved, else (x[..., p], x[..., p + D/2]) (rotate_half).
+        cos, sin: (..., D/2) float32 (as RotaryEmbedding returns them), broadcast against x without its last
+            dim; pass them unsqueezed for a head dim (cos.unsqueeze(-2) for x (B, S, H, D)).
+        interleaved: x's pair layout (above).
+
+    Returns:
+        A new contiguous tensor of x's shape and dtype in the half-split layout (see the module docstring):
+        out[..., p] = x1 * c - x2 * s, out[..., p + D/2] = x2 * c + x1 * s for pair p = (x1, x2), computed in
+        float32 (float64 for float64 x) and rounded once to x's dtype.
+
+    CUDA tensors of bfloat16/float16/float32 (rank <= 4, cos/sin float32 broadcasting to x's leading shape and
+    not requiring grad) take one Triton kernel launch per direction, bit-identical to the torch ops (forward and
+    gradient); it saves only cos/sin for the backward. Everything else (CPU, float64, other shapes) runs the
+    rotation as torch ops, with gradients for cos/sin too where they require them.
+    """
+    if _kernel_takes(x, cos, sin) and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
+        return _rotary(x, cos, sin, interleaved, False)
+    return _rotate_torch(x, cos, sin, interleaved, False, False)
 
 
 class RotaryEmbedding(nn.Module):
@@ -143,11 +273,18 @@ class RotaryEmbedding(nn.Module):
         return t
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (...) integer -> cos, sin (..., dim/2) float32 (attention factor applied)."""
+        """position_ids (...) integer, any device -> cos, sin (..., dim/2) float32 on that device, contiguous,
+        the attention factor applied."""
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq(position_ids.device)
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor == 1.0:  # x * 1.0 == x: two launches fewer without YaRN, same values
+            return cos, sin
+        return cos * self.attention_factor, sin * self.attention_factor
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary` with this embedding's pair layout: x (..., dim) any float dtype and strides, cos/sin
+        (..., dim/2) float32 from forward, broadcasting against x without its last dim -> a new contiguous
+        tensor of x's shape and dtype, half-split layout."""
         return apply_rotary(x, cos, sin, interleaved=self.interleaved)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,105 @@
+"""The Triton kernel behind :func:`mla_autograd.nn.rope.apply_rotary` on CUDA tensors.
+
+One launch reads x through its strides, rotates every pair in float32 and writes the result, rounded once
+to the output's dtype. The forward reads x's pair layout (interleaved or rotate_half) and writes the
+half-split layout; the backward is the transposed rotation, the same kernel with sin negated, reading the
+half-split gradient and writing x's layout. Each product, difference and sum is rounded to float32 on its
+own, as the separate elementwise ops of the torch path round them: the launch turns off the contraction of
+``a * b + c`` into a fused multiply-add (``enable_fp_fusion=False``), which would round once where the torch
+path rounds twice. Imported only when that path is taken (it imports triton).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rotate"]
+
+#: Rotary pairs one program handles (rows of x times pairs per row): 2048 is 16 pairs a thread at 4 warps.
+_PAIRS_PER_PROGRAM = 2048
+#: Compile options of every launch. enable_fp_fusion=False keeps x1 * c - x2 * s as two multiplies and a
+#: subtraction, each rounded (no fused multiply-add): the torch path's rounding.
+LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
+
+
+@triton.jit
+def _pair_members(p, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Where pair p's two members sit along the last dim: (2p, 2p + 1) interleaved, else (p, p + HALF)."""
+    if INTERLEAVED:
+        first = 2 * p
+        second = 2 * p + 1
+    else:
+        first = p
+        second = p + HALF
+    return first, second
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
+                   sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2, so3,
+                   HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                   X_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NEGATE_SIN: tl.constexpr):
+    # Program pid handles BLOCK_R consecutive indices of dim 2 at one (dim 0, dim 1) index. int64 offsets:
+    # a (B, S, H, D) view of a wider projection spans more than 2**31 elements at large B * S.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // row_blocks
+    i0 = row // n1
+    i1 = row % n1
+    i2 = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)  # pair index: pair p is rotated by angle p
+    mask = (i2[:, None] < n2) & (p[None, :] < HALF)
+
+    x_first, x_second = _pair_members(p, HALF, X_INTERLEAVED)
+    out_first, out_second = _pair_members(p, HALF, OUT_INTERLEAVED)
+
+    x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2[:, None] * sx2
+    x1 = tl.load(x_row + x_first[None, :] * sx3, mask=mask).to(tl.float32)
+    x2 = tl.load(x_row + x_second[None, :] * sx3, mask=mask).to(tl.float32)
+    c = tl.load(cos_ptr + i0 * sc0 + i1 * sc1 + i2[:, None] * sc2 + p[None, :] * sc3, mask=mask)
+    s = tl.load(sin_ptr + i0 * ss0 + i1 * ss1 + i2[:, None] * ss2 + p[None, :] * ss3, mask=mask)
+    if NEGATE_SIN:
+        s = -s
+    # the torch path's formula, term for term: x1 * c - x2 * s, x2 * c + x1 * s
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    out_row = out_ptr + i0 * so0 + i1 * so1 + i2[:, None] * so2
+    tl.store(out_row + out_first[None, :] * so3, y1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_row + out_second[None, :] * so3, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, *, x_interleaved: bool,
+           out_interleaved: bool, negate_sin: bool) -> torch.Tensor:
+    """Write the rotation of x into out (one kernel launch) and return out.
+
+    Args:
+        x: (A, B, C, D) bfloat16/float16/float32, any strides (a strided view of a projection's output is
+            read in place). D even; its D/2 pairs are (x[..., 2p], x[..., 2p+1]) when x_interleaved, else
+            (x[..., p], x[..., p + D/2]).
+        cos, sin: (A, B, C, D/2) float32, any strides (stride 0 along broadcast dims, e.g. the heads or the
+            batch, costs no copy): pair p of row (a, b, c) turns by the angle whose cos/sin these hold.
+        out: (A, B, C, D), any float dtype and strides, not overlapping x; pair p goes to
+            (out[..., 2p], out[..., 2p+1]) when out_interleaved, else (out[..., p], out[..., p + D/2]).
+        negate_sin: rotate by the opposite angles (the transposed rotation, i.e. the backward).
+
+    Each output is ``x1 * c - x2 * s`` / ``x2 * c + x1 * s`` in float32, every operation rounded on its own,
+    then rounded once to out's dtype (round to nearest even). CUDA tensors, or CPU tensors under Triton's
+    interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
+    """
+    A, B, C, D = x.shape
+    half = D // 2
+    if out.numel() == 0:
+        return out
+    block_p = triton.next_power_of_2(half)
+    block_r = min(triton.next_power_of_2(C), max(1, _PAIRS_PER_PROGRAM // block_p))
+    row_blocks = triton.cdiv(C, block_r)
+    # the launch goes to the current CUDA device: make it x's
+    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _rotary_kernel[(A * B * row_blocks,)](
+            x, cos, sin, out, B, C, row_blocks, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
+            HALF=half, BLOCK_R=block_r, BLOCK_P=block_p, X_INTERLEAVED=x_interleaved,
+            OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, **LAUNCH_OPTIONS)
+    return out

@@ -1,0 +1,76 @@
+"""The rotary embedding's Triton kernel on the GPU: bit-identical to the torch ops it replaces (forward and
+gradient; bfloat16/float16/float32, interleaved or rotate_half pairs, strided views of the projections, odd
+sequence lengths, position offsets, 1/16/128 heads), in the layer (outputs and every gradient), and under
+torch.compile(fullgraph=True)."""
+import pytest
+import torch
+
+from mla_autograd.nn import RotaryEmbedding, apply_rotary
+
+from rope_cases import LAYOUTS, YARN, assert_bitwise, check_case, check_layer_compiles, check_layer_paths_agree
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CUDA = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: DeepSeek-V3's head dims with fewer heads: the attention kernels serve (192, 128)
+DEEPSEEK = dict(hidden_size=512, num_heads=16, q_lora_rank=192, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("H", [1, 16, 128])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_equals_torch_ops_bitwise(layout, H, interleaved, dtype):
+    """S = 301 (odd, not a multiple of any block), positions from 4000 (a cached continuation), D = 64."""
+    if layout in ("k", "packed_k") and H != 1:
+        pytest.skip("no head dim")
+    check_case(layout, interleaved, dtype, CUDA, B=2, S=301, H=H, D=64, offset=4000)
+
+
+@pytest.mark.parametrize("D", [2, 6, 8, 128])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kernel_other_rope_dims(D, interleaved):
+    """D/2 not a power of two (masked pairs), a single pair, and a wider rope part; one position."""
+    for S in (1, 33):
+        check_case("q", interleaved, torch.bfloat16, CUDA, B=1, S=S, H=3, D=D, offset=7)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_layer_outputs_and_gradients_unchanged(interleave, packed):
+    """DeepSeek dims in bfloat16, deterministic backward: the layer with the kernel and with the torch ops
+    gives the same bits for its output, d hidden_states and every parameter's gradient."""
+    check_layer_paths_agree(CUDA, torch.bfloat16, interleave=interleave, packed=packed, deterministic=True,
+                            dims=DEEPSEEK, T=301)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_rotation_equals_eager_bitwise(dtype):
+    """Under torch.compile the op is opaque: the compiled rotation (forward, gradient) is the eager kernel's."""
+    base = torch.randn(2, 301, 16, 192, device=CUDA, dtype=dtype)
+    pos = torch.arange(301, device=CUDA)
+    cos, sin = RotaryEmbedding(64, rope_scaling=YARN)(pos)
+
+    def f(b):
+        return apply_rotary(b[..., 128:], cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved=True)
+
+    dy = torch.randn(2, 301, 16, 64, device=CUDA, dtype=dtype)
+    out = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        b = base.clone().requires_grad_(True)
+        y = fn(b)
+        y.backward(dy)
+        out.append((y.detach(), b.grad))
+    assert_bitwise(out[1][0], out[0][0], "forward")
+    assert_bitwise(out[1][1], out[0][1], "gradient")
+
+
+def test_compile_fullgraph_layer_training_step():
+    """torch.compile(fullgraph=True) of the layer's training forward with inductor: no graph break, the rotary op
+    in the graph, outputs and gradients as eager within bfloat16 rounding."""
+    check_layer_compiles(CUDA, torch.bfloat16, "inductor", dims=DEEPSEEK, T=301, tol=2e-2)
