@@ -1,7 +1,8 @@
 """The one dispatch table: which backend serves which (arch, dtype, head dims, features).
 
 Rows are tried in order; the first whose conditions all hold serves the call. The pure-PyTorch
-reference is the last row of every op and accepts anything. What a kernel family serves (compute
+reference is the last row of every op and accepts anything, except mla_fwd's (MLA's split query and key
+read in place), whose last row concatenates them and hands the call to attn_fwd's rows (HANDED_ON). What a kernel family serves (compute
 capabilities, dtypes, head dims) is read from the family registry (``_kernels.FAMILIES``); a row adds
 only the conditions specific to it. ``explain`` reports the chosen row and why every earlier row was
 passed over, so a user can see which path will run and why.
@@ -36,9 +37,13 @@ _EVERY_KERNEL_ROW = ("device", "dtype", "dims")
 ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
     "attn_fwd": _EVERY_KERNEL_ROW + ("out_rows_over_int32",),
     "attn_bwd": _EVERY_KERNEL_ROW + ("deterministic", "causal", "bottom_right", "seqlens_equal"),
+    "mla_fwd": _EVERY_KERNEL_ROW,
     "decode": _EVERY_KERNEL_ROW + ("num_heads", "seqlen_q", "page_size"),
 }
 _ROUTE_GETTERS = {op: operator.attrgetter(*fields) for op, fields in ROUTE_FIELDS.items()}
+# Ops whose last row is no reference path but another op: a call no kernel row of "mla_fwd" serves is
+# concatenated and handed to attn_fwd's rows, which choose (and announce a fallback) for it.
+HANDED_ON: dict[str, str] = {"mla_fwd": "attn_fwd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +52,10 @@ class Call:
     read the fields ROUTE_FIELDS names for it; the others describe the call (varlen names the kind of call
     in the fallback warning)."""
 
-    op: str                       # "attn_fwd", "attn_bwd" or "decode"
+    op: str                       # "attn_fwd", "attn_bwd", "mla_fwd" or "decode"
     device: torch.device
     dtype: torch.dtype
-    dims: tuple[int, int]         # (Dqk, Dv) for attention; (Dc, Dr) for decode
+    dims: tuple[int, ...]         # (Dqk, Dv) for attention; (Dn, Dr, Dv) for mla_fwd; (Dc, Dr) for decode
     causal: bool = False
     bottom_right: bool = True     # attention: the causal alignment
     varlen: bool = False
@@ -99,7 +104,8 @@ def _smem_per_block(index: int) -> int:
 class Route:
     """One row of the table.
 
-    op: which op it serves; backend: short name; family: kernel family (None = the reference path).
+    op: which op it serves; backend: short name; family: kernel family (None = the reference path, or for a
+    HANDED_ON op the op it hands the call to).
     The compute capabilities, dtypes and head dims a family serves come from its registry entry: a
     capability is served exactly when the family's build has an image that loads there.
     check: further conditions, returning a reason string when the call is not served (else None).
@@ -124,8 +130,9 @@ class Route:
                     f"(its build: {', '.join(fam.targets)})")
         if call.dtype not in fam.dtypes:
             return f"dtype {str(call.dtype).replace('torch.', '')} (kernels take bfloat16/float16)"
-        if call.dims not in fam.dims:
-            return f"head dims {call.dims} not in {sorted(fam.dims)}"
+        if call.dims not in fam.dims_for(call.op):
+            what = "part head dims (Dn, Dr, Dv)" if call.op == "mla_fwd" else "head dims"
+            return f"{what} {call.dims} not in {sorted(fam.dims_for(call.op))}"
         if self.check is not None:
             why = self.check(call)
             if why:
@@ -196,6 +203,11 @@ TABLE: tuple[Route, ...] = (
           note="CUTLASS example-77 tcgen05/TMEM backward (compiled, never run on hardware)"),
     Route("attn_bwd", "sm90", "fmha_bwd_sm90", note="wgmma + TMA warp-specialized backward"),
     Route("attn_bwd", "reference", None, note="pure PyTorch (explicit FlashAttention backward)"),
+    Route("mla_fwd", "sm90", "fmha_fwd_sm90",
+          note="the 192/128 forward reading q_nope/q_pe and k_nope/k_pe in place (two TMA descriptors per Q and "
+               "K tile); its backward concatenates the saved parts for attn_bwd"),
+    Route("mla_fwd", "concat", None,
+          note="q and k concatenated at the boundary; attn_fwd's rows choose the backend for (Dn + Dr, Dv)"),
     Route("decode", "sm80_decode", "mla_decode_sm80", _decode_check,
           note="mma.sync paged MLA decode; H * Sq <= 32: warp-specialized kernel (QK/softmax warps + PV warps, "
                "1 CTA/SM) where 3 of its stages fit in smem; 64-row tiles: the row-group kernel (64 KV tokens per "
@@ -322,13 +334,14 @@ def _warn_fallback(call: Call, msg: str) -> None:
 
 def select(call: Call) -> Decision:
     """Choose the backend for a call (memoised on Call.route_key: this runs on every op call); announce
-    reference fallbacks once per reason (the reasons the kernel rows give, whatever the op, dtype or dims),
+    reference fallbacks (not the hand-over of a HANDED_ON op) once per reason (the reasons the kernel rows give, whatever the op, dtype or dims),
     at the caller's line outside mla_autograd and torch."""
     key = (call.route_key(), os.environ.get("MLA_AUTOGRAD_BACKEND"))
     entry = _decisions.get(key)
     if entry is None:
         d = explain_call(call)
-        entry = _decisions[key] = (d, None if d.family is not None else _reason_key(d))
+        handed_on = d.family is None and call.op in HANDED_ON  # the next op's select announces any fallback
+        entry = _decisions[key] = (d, None if d.family is not None or handed_on else _reason_key(d))
     d, reason = entry
     if reason is not None:
         if os.environ.get("MLA_AUTOGRAD_STRICT", "0") not in ("", "0"):

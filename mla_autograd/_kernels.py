@@ -86,9 +86,11 @@ class Family:
         kernel and host layer. Headers shared by the families of one arch live in ``csrc/<arch>/`` above the family
         folders; headers shared by all in ``csrc/common/``.
     targets: nvcc code targets every build of this family compiles (see the module docstring).
-    ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "decode").
+    ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "mla_fwd", "decode").
     dims: head-dim pairs it serves: (Dqk, Dv) for attention, (Dc, Dr) for decode.
     dtypes: input dtypes it serves.
+    mla_dims: for "mla_fwd" (MLA's split query and key read in place, no concatenation), the part head dims
+        (Dn, Dr, Dv) it serves: q_nope / k_nope Dn, q_pe / k_pe Dr, v Dv.
     guards_values: its kernels are memory-safe for any values inside the length and page tensors
         (cu_seqlens, block_table, cache_seqlens): they clamp them on the device, so calls need no value check
         (and no host sync). For a family without it, the call checks the values first (one device reduction and
@@ -102,10 +104,15 @@ class Family:
     dims: frozenset
     dtypes: frozenset
     guards_values: bool = True
+    mla_dims: frozenset = frozenset()
 
     def __post_init__(self):
         for t in self.targets:
             Target(t)  # validates the name
+
+    def dims_for(self, op: str) -> frozenset:
+        """The head dims the family serves for a dispatch op: mla_dims for "mla_fwd", else dims."""
+        return self.mla_dims if op == "mla_fwd" else self.dims
 
     def target_objects(self) -> tuple[Target, ...]:
         return tuple(Target(t) for t in self.targets)
@@ -144,8 +151,10 @@ class Family:
 _HALF = frozenset({torch.bfloat16, torch.float16})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("fmha_fwd_sm90", "sm90/fmha_fwd", ("sm_90a",), ("attn_fwd",),
-           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
+    # mla_fwd: the 192/128 kernel with its Q and K tiles filled from the parts by two TMA descriptors each
+    # (fmha_fwd_sm90_hdim192_mla.cu).
+    Family("fmha_fwd_sm90", "sm90/fmha_fwd", ("sm_90a",), ("attn_fwd", "mla_fwd"),
+           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF, mla_dims=frozenset({(128, 64, 128)})),
     Family("fmha_bwd_sm90", "sm90/fmha_bwd", ("sm_90a",), ("attn_bwd",),
            frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
     # Family SASS: one cubin loads on B200/GB200 (10.0) and B300/GB300 (10.3). CUTLASS example 77's

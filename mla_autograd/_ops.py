@@ -1,11 +1,11 @@
 """torch.library custom ops with fake (meta) implementations.
 
-``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_decode`` and
-``mla_autograd::mla_decode_schedule`` are opaque to torch.compile (no graph breaks): their fake
-implementations give output shapes, and at run time they allocate outputs, consult the dispatch table
-and call the chosen backend (a kernel family or the reference path). attn_fwd carries its autograd
-(backward: attn_bwd; see `attention`, the entry of the functional API). Inputs here are already validated
-by the functional API.
+``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_attn_fwd``,
+``mla_autograd::mla_decode`` and ``mla_autograd::mla_decode_schedule`` are opaque to torch.compile (no graph
+breaks): their fake implementations give output shapes, and at run time they allocate outputs, consult the
+dispatch table and call the chosen backend (a kernel family or the reference path). attn_fwd and mla_attn_fwd
+carry their autograd (backward: attn_bwd; see `attention` and `mla_attention`, the entries of the functional
+API). Inputs here are already validated by the functional API.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
 from .schedule import DecodeSchedule
 
-__all__ = ["attn_fwd", "attn_bwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
-           "decode_call", "schedule_numel"]
+__all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
+           "mla_attention", "mla_call", "concat_mla_parts", "decode_call", "schedule_numel"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -68,6 +68,13 @@ def attention_call(op: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bo
                 bottom_right=bottom_right, varlen=varlen, num_heads=q.shape[-2], num_kv_heads=k.shape[-2],
                 deterministic=deterministic, seqlens_equal=bool(seqlens_equal),
                 out_rows_over_int32=rows_q * q.shape[-2] * v.shape[-1] > _INT32_MAX)
+
+
+def mla_call(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, v: Tensor) -> Call:
+    """The dispatch Call of an MLA-native forward (op "mla_fwd", dims (Dn, Dr, Dv)): metadata only."""
+    return Call(op="mla_fwd", device=q_nope.device, dtype=q_nope.dtype,
+                dims=(q_nope.shape[-1], q_pe.shape[-1], v.shape[-1]), num_heads=q_nope.shape[-2],
+                num_kv_heads=k_nope.shape[-2])
 
 
 def decode_call(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Call:
@@ -205,15 +212,21 @@ def _attn_fwd_setup_context(ctx, inputs, output) -> None:
     ctx.call_site = None if torch.compiler.is_compiling() else _dispatch.call_site()
 
 
-def _attn_fwd_backward(ctx, dout: Tensor, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+def _run_attn_bwd(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) by attn_bwd for a forward whose autograd context is ctx (ctx.args, ctx.call_site)."""
     # create_graph=True runs this with grad enabled: the op then raises (no double backward)
     bwd = _attn_bwd if eager_direct(dout, q, k, v) and not torch.is_grad_enabled() else attn_bwd
     _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
     try:
-        grads = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
+        return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
     finally:
         _dispatch.set_backward_site(None)
+
+
+def _attn_fwd_backward(ctx, dout: Tensor, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    grads = _run_attn_bwd(ctx, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return (*grads, *(None,) * (len(ctx.args) + 2))
 
 
@@ -229,17 +242,19 @@ def _no_double_backward(ctx, *grads):
 attn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-class _EagerAttnFwd(torch.autograd.Function):
-    """attn_fwd with its registered autograd, for plain eager tensors: the op's body and formulas without the
-    custom-op dispatcher."""
-
-    @staticmethod
+def _eager_function(name: str, body, setup_context, backward) -> type:
+    """An autograd.Function that runs an op's body with the op's registered autograd (setup_context, backward),
+    for plain eager tensors: the op's body and formulas without the custom-op dispatcher."""
     def forward(ctx, *inputs):
-        output = _attn_fwd(*inputs)
-        _attn_fwd_setup_context(ctx, inputs, output)
+        output = body(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_attn_fwd_backward)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                                                   "__doc__": f"{body.__name__} with its registered autograd"})
+
+
+_EagerAttnFwd = _eager_function("_EagerAttnFwd", _attn_fwd, _attn_fwd_setup_context, _attn_fwd_backward)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
@@ -255,6 +270,115 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttnFwd.apply(*args)
     return _attn_fwd(*args)
+
+
+# ---- MLA's split query / key: mla_attn_fwd reads the parts in place where a kernel row serves it ----
+
+def concat_mla_parts(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+    """q (..., Hq, Dn + Dr) and k (..., Hkv, Dn + Dr) from the parts, for backends that take q and k whole.
+
+    k_pe with one head is expanded (a stride-0 view, no copy) to k_nope's Hkv heads before the one
+    concatenation that writes k, so the shared rope key is materialised only inside k. Differentiable: autograd
+    through cat and expand splits dq / dk back into the parts and sums a one-head k_pe's gradient over the
+    heads that shared it, as _split_mla_grads does.
+    """
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    if k_pe.shape[-2] != k_nope.shape[-2]:
+        k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
+    return q, torch.cat([k_nope, k_pe], dim=-1)
+
+
+def _split_mla_grads(dq: Tensor, dk: Tensor, q_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq_nope, dq_pe, dk_nope, dk_pe) of the concatenated q / k's gradients: the backward of
+    concat_mla_parts (the same views and the same head sum that autograd of cat and expand computes)."""
+    dn = q_nope.shape[-1]
+    dq_nope, dq_pe = dq[..., :dn], dq[..., dn:]
+    dk_nope, dk_pe = dk[..., :dn], dk[..., dn:]
+    if k_pe.shape[-2] != dk.shape[-2]:
+        dk_pe = dk_pe.sum(-2, keepdim=True)
+    return dq_nope, dq_pe, dk_nope, dk_pe
+
+
+def _mla_attn_fwd(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor,
+                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                  softmax_scale: float, causal: bool, bottom_right: bool,
+                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attention on q = [q_nope | q_pe], k = [k_nope | k_pe] (k_pe of one head shared by every kv
+    head): where the table's mla_fwd rows pick a kernel, it reads the parts in place; anywhere else the parts
+    are concatenated (concat_mla_parts) and attn_fwd's body runs. Shapes: dense q_nope (B, Sq, Hq, Dn), q_pe
+    (B, Sq, Hq, Dr), k_nope (B, Sk, Hkv, Dn), k_pe (B, Sk, 1 or Hkv, Dr), v (B, Sk, Hkv, Dv); varlen the same
+    without B, packed along the rows. deterministic is the backward's."""
+    varlen = cu_seqlens_q is not None
+    if _empty_problem(q_nope, k_nope):
+        out = q_nope.new_zeros(*q_nope.shape[:-1], v.shape[-1])
+        return out, torch.full(_lse_shape(q_nope, varlen), float("-inf"), dtype=_lse_dtype(q_nope),
+                               device=q_nope.device)
+    d = select(mla_call(q_nope, q_pe, k_nope, v))
+    if d.family is None:
+        q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
+        return _attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         bottom_right)
+    _check_values_before_kernel(d.family, q_nope, k_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # TMA's rules (16-byte aligned base and strides) per part, as attn_fwd applies them to q and k: a part that
+    # breaks them is copied alone; views of one projection that keep them (a q split at column 128, a k_pe
+    # sliced from a (.., 576) row) are read where they are.
+    q_nope, q_pe, k_nope, k_pe, v = (_kernel_ready(t) for t in (q_nope, q_pe, k_nope, k_pe, v))
+    out = _new_out(q_nope, v, d.family, max_seqlen_q if varlen else q_nope.shape[1])
+    lse = torch.empty(_lse_shape(q_nope, varlen), dtype=torch.float32, device=q_nope.device)
+    _build.load_family(d.family).fwd_mla(q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right)
+    return out, lse
+
+
+mla_attn_fwd = torch.library.custom_op("mla_autograd::mla_attn_fwd", mutates_args=())(_mla_attn_fwd)
+
+
+@mla_attn_fwd.register_fake
+def _(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      bottom_right, deterministic=False):
+    out = q_nope.new_empty(*q_nope.shape[:-1], v.shape[-1])
+    return out, q_nope.new_empty(_lse_shape(q_nope, cu_seqlens_q is not None), dtype=_lse_dtype(q_nope))
+
+
+# Saved: the five parts (never the concatenated q / k), out and lse. The backward concatenates the parts once,
+# runs attn_bwd on them and splits its dq / dk back (_split_mla_grads).
+
+def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
+    q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = args  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic
+    ctx.mark_non_differentiable(lse)
+    ctx.call_site = None if torch.compiler.is_compiling() else _dispatch.call_site()
+
+
+def _mla_attn_fwd_backward(ctx, dout: Tensor, _dlse):
+    q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
+    dq, dk, dv = _run_attn_bwd(ctx, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    return (*_split_mla_grads(dq, dk, q_nope, k_pe), dv, *(None,) * (len(ctx.args) + 2))
+
+
+mla_attn_fwd.register_autograd(_mla_attn_fwd_backward, setup_context=_mla_attn_fwd_setup_context)
+
+
+_EagerMlaAttnFwd = _eager_function("_EagerMlaAttnFwd", _mla_attn_fwd, _mla_attn_fwd_setup_context,
+                                   _mla_attn_fwd_backward)
+
+
+def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor,
+                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                  softmax_scale: float, causal: bool, bottom_right: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of mla_attn_fwd on validated parts, differentiable: chosen as `attention` chooses between the
+    op, its eager autograd Function and its body."""
+    args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, bottom_right, deterministic)
+    parts = (q_nope, q_pe, k_nope, k_pe, v)
+    if not eager_direct(*parts):
+        return mla_attn_fwd(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
+        return _EagerMlaAttnFwd.apply(*args)
+    return _mla_attn_fwd(*args)
 
 
 def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,

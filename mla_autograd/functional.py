@@ -97,41 +97,29 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
 # ---- MLA-shaped inputs: the query/key split into a "nope" part and a rope part ----
 
-# How mla_attention's parts reach a backend, and why (what explain_mla reports). There is one path today.
-MLA_PATH = "concat"
-MLA_PATH_REASON = ("q = [q_nope, q_pe] and k = [k_nope, k_pe expanded to Hkv heads] are built at the boundary "
-                   "(one copy of each); no backend reads the parts in place")
-
-
-def _concat_boundary(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
-    """q (..., Hq, Dn + Dr) and k (..., Hkv, Dn + Dr) from the parts, for backends that take q and k whole.
-
-    k_pe with one head is expanded (a stride-0 view, no copy) to k_nope's Hkv heads before the one
-    concatenation that writes k, so the shared rope key is materialised only inside k. Autograd runs
-    through cat and expand: dq/dk are split back into the parts, and dk_pe of a one-head k_pe is the
-    sum over the heads that shared it.
-    """
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    if k_pe.shape[-2] != k_nope.shape[-2]:
-        k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
-    k = torch.cat([k_nope, k_pe], dim=-1)
-    return q, k
+# How mla_attention's parts reach a backend, and why (what explain_mla reports): read in place by a kernel that
+# takes them (the mla_fwd rows of the dispatch table), or concatenated at the boundary for attn_fwd's rows.
+MLA_PATH_NATIVE = "native"
+MLA_PATH_CONCAT = "concat"
+MLA_PATH_REASONS = {
+    MLA_PATH_NATIVE: ("the forward kernel reads q_nope/q_pe and k_nope/k_pe in place (no concatenated q or k); "
+                      "the backward concatenates the saved parts once for attn_bwd"),
+    MLA_PATH_CONCAT: ("q = [q_nope, q_pe] and k = [k_nope, k_pe expanded to Hkv heads] are built at the boundary "
+                      "(one copy of each)"),
+}
 
 
 def _mla_dispatch(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
                   deterministic: bool) -> tuple[Tensor, Tensor]:
-    """The one place where mla_attention / mla_attention_varlen choose how validated parts reach a backend.
-
-    Every backend (kernels and reference) takes q and k whole today, so this builds them with
-    _concat_boundary (path MLA_PATH) and runs the differentiable attention op on the result, on every
-    device and dtype; the attention dispatch table then picks the backend for (Dn + Dr, Dv) as it does for
-    `attention`. A backend that reads q_nope/q_pe/k_nope/k_pe in place replaces the concatenation here
-    (and says so in MLA_PATH / explain_mla). Returns (out, lse) as _ops.attention does.
+    """The one place where mla_attention / mla_attention_varlen hand validated parts to a backend: the
+    differentiable mla_attn_fwd op, which at run time reads them in place where the dispatch table's mla_fwd rows
+    pick a kernel (SM90, (Dn, Dr, Dv) = (128, 64, 128), 16-bit) and otherwise concatenates them
+    (_ops.concat_mla_parts) for attn_fwd's rows, as `attention` on the concatenation would. The choice is made
+    inside the op, so torch.compile traces one op either way. Returns (out, lse) as _ops.attention does.
     """
-    q, k = _concat_boundary(q_nope, q_pe, k_nope, k_pe)
-    return _ops.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                          bottom_right, deterministic)
+    return _ops.mla_attention(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, bottom_right, deterministic)
 
 
 def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, *, causal: bool = False,
@@ -160,9 +148,14 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
         out (B, Sq, Hq, Dv) in q_nope's dtype; with return_lse also lse (B, Hq, Sq) float32 (float64 for
         float64 inputs), not differentiable.
 
-    Today the parts are concatenated at the boundary on every backend (one copy of q and of k, the shared
-    rope key written once per kv head); the kernels then serve (Dn + Dr, Dv) as `attention` does.
-    `explain_mla` says which path and backends a call uses.
+    On SM90 with (Dn, Dr, Dv) = (128, 64, 128) in bfloat16/float16 (dense and varlen) the forward kernel reads
+    the five parts where they are: no concatenated q or k is written, and a one-head k_pe is read once per kv
+    head from its single copy. out and lse are bit for bit those of `attention` on the concatenation. Parts
+    whose base or strides are not 16-byte aligned (TMA's rule) are copied alone first. The backward saves the
+    parts and concatenates them once for the attention backward. Everywhere else (CPU, SM100, other dims) the
+    parts are concatenated at the boundary (one copy of q and of k, the shared rope key written once per kv
+    head) and the kernels serve (Dn + Dr, Dv) as `attention` does. `explain_mla` says which path and backends a
+    call uses.
     """
     V.check_mla_attention(q_nope, q_pe, k_nope, k_pe, v)
     scale = V.softmax_scale_or_default(softmax_scale, q_nope.shape[-1] + q_pe.shape[-1])
@@ -305,8 +298,9 @@ class Explanation:
         self.decisions = decisions
 
     def __getattr__(self, name):
+        ops = {"forward": ("attn_fwd", "mla_fwd"), "backward": ("attn_bwd",)}.get(name, (name,))
         for d in self.decisions:
-            if d.op in (name, {"forward": "attn_fwd", "backward": "attn_bwd"}.get(name)):
+            if d.op in ops:
                 return d
         raise AttributeError(name)
 
@@ -344,15 +338,20 @@ def explain_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor) -> Explanati
 
 
 class MLAExplanation(Explanation):
-    """explain_mla's answer: ``path`` (how the parts reach a backend, MLA_PATH) and ``path_reason``, then
-    the forward and backward decisions of the attention dispatch table as in `explain`."""
+    """explain_mla's answer: ``path`` (how the parts reach a backend: "native" or "concat") and ``path_reason``,
+    ``native`` (the decision of the dispatch table's mla_fwd rows: the kernel that reads the parts in place, or
+    why none does), then the forward and backward decisions (``forward``: mla_fwd's on the native path, attn_fwd's
+    for the concatenated head dims otherwise; ``backward``: attn_bwd's for the concatenated head dims)."""
 
-    def __init__(self, path: str, path_reason: str, *decisions):
+    def __init__(self, path: str, path_reason: str, native, *decisions):
         super().__init__(*decisions)
-        self.path, self.path_reason = path, path_reason
+        self.path, self.path_reason, self.native = path, path_reason, native
 
     def __str__(self):
-        return f"mla inputs: {self.path} ({self.path_reason})\n" + super().__str__()
+        lines = [f"mla inputs: {self.path} ({self.path_reason})"]
+        if self.path == MLA_PATH_CONCAT:
+            lines += [f"  not {b} in place: {why}" for b, why in self.native.passed_over]
+        return "\n".join(lines) + "\n" + super().__str__()
 
     __repr__ = __str__
 
@@ -362,15 +361,19 @@ def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: T
                 cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
                 deterministic: bool = False) -> MLAExplanation:
     """Say how `mla_attention` / `mla_attention_varlen` would run for these tensors: the path of the parts
-    (``.path``, "concat" today) and the backends of the forward and backward (``.forward.backend``,
-    ``.backward.backend``) for the concatenated head dims (Dn + Dr, Dv). Keywords as in `explain`. Reads only
+    (``.path``: "native" where a kernel reads them in place, else "concat"), the backend of the forward
+    (``.forward.backend``: the in-place kernel's, or attn_fwd's for the concatenated head dims (Dn + Dr, Dv)) and
+    of the backward (``.backward.backend``, always for (Dn + Dr, Dv)). Keywords as in `explain`. Reads only
     metadata; the five tensors are checked as the call checks them, so a call that would raise raises the
     same error here."""
     V.check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, bool(varlen) or cu_seqlens_q is not None)
     dims = (q_nope.shape[-1] + q_pe.shape[-1], v.shape[-1])
     kw = dict(causal=bool(causal), bottom_right=V.causal_bottom_right(causal_align), cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
-    calls = [dataclasses.replace(attention_call("attn_fwd", q_nope, k_nope, v, **kw), dims=dims),
-             dataclasses.replace(attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw),
-                                 dims=dims)]
-    return MLAExplanation(MLA_PATH, MLA_PATH_REASON, *(explain_call(c) for c in calls))
+    native = explain_call(_ops.mla_call(q_nope, q_pe, k_nope, v))
+    bwd = explain_call(dataclasses.replace(
+        attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw), dims=dims))
+    if native.family is not None:
+        return MLAExplanation(MLA_PATH_NATIVE, MLA_PATH_REASONS[MLA_PATH_NATIVE], native, native, bwd)
+    fwd = explain_call(dataclasses.replace(attention_call("attn_fwd", q_nope, k_nope, v, **kw), dims=dims))
+    return MLAExplanation(MLA_PATH_CONCAT, MLA_PATH_REASONS[MLA_PATH_CONCAT], native, fwd, bwd)

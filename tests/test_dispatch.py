@@ -45,6 +45,43 @@ def test_attention_routes(fake_gpu, cap, dims, dtype, expect, op):
     assert d.backend == expect, str(d)
 
 
+@pytest.mark.parametrize("cap,dims,dtype,expect", [
+    ((9, 0), (128, 64, 128), torch.bfloat16, "sm90"),
+    ((9, 0), (128, 64, 128), torch.float16, "sm90"),
+    ((9, 0), (128, 64, 128), torch.float32, "concat"),
+    ((9, 0), (64, 64, 128), torch.bfloat16, "concat"),
+    ((9, 0), (192, 128), torch.bfloat16, "concat"),
+    ((10, 0), (128, 64, 128), torch.bfloat16, "concat"),
+    ((8, 0), (128, 64, 128), torch.bfloat16, "concat"),
+])
+def test_mla_fwd_routes(fake_gpu, cap, dims, dtype, expect):
+    """MLA's parts are read in place only by the SM90 forward at (Dn, Dr, Dv) = (128, 64, 128); anything else is
+    handed on, concatenated, to attn_fwd's rows."""
+    fake_gpu["cap"] = cap
+    d = explain_call(call(op="mla_fwd", dims=dims, dtype=dtype)[0])
+    assert d.backend == expect, str(d)
+    assert (d.family == "fmha_fwd_sm90") == (expect == "sm90")
+    if dims == (64, 64, 128):
+        assert "part head dims (Dn, Dr, Dv) (64, 64, 128) not in [(128, 64, 128)]" in str(d)
+
+
+def test_mla_fwd_hand_over_announces_no_fallback(monkeypatch):
+    """mla_fwd's last row hands the call to attn_fwd, whose select announces (or, strict, refuses) a reference
+    fallback: the hand-over itself neither warns nor raises."""
+    import warnings
+    monkeypatch.setattr(_dispatch, "_decisions", {})
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    monkeypatch.setenv("MLA_AUTOGRAD_STRICT", "1")
+    c = Call(op="mla_fwd", device=torch.device("cpu"), dtype=torch.float32, dims=(128, 64, 128))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = _dispatch.select(c)
+    assert d.backend == "concat" and d.family is None
+    assert "not sm90: tensors are on cpu, kernels need CUDA" in str(d)
+    with pytest.raises(RuntimeError, match="MLA_AUTOGRAD_STRICT=1 forbids the fallback"):
+        _dispatch.select(dataclasses.replace(c, op="attn_fwd", dims=(192, 128)))
+
+
 def test_reasons_name_the_condition(fake_gpu):
     fake_gpu["cap"] = (8, 6)
     d = explain_call(call(dims=(192, 128))[0])
@@ -248,7 +285,7 @@ def test_dispatch_memo_does_not_grow_with_lengths(fake_gpu, monkeypatch):
 # each check's conditions on both sides).
 _FIELD_VALUES = dict(
     device=(torch.device("cuda", 0), torch.device("cpu")), dtype=(torch.bfloat16, torch.float32),
-    dims=((192, 128), (128, 128), (64, 64), (512, 64), (96, 96)), causal=(False, True), bottom_right=(False, True),
+    dims=((192, 128), (128, 128), (64, 64), (512, 64), (96, 96), (128, 64, 128)), causal=(False, True), bottom_right=(False, True),
     varlen=(False, True), num_heads=(16, 128, 12), num_kv_heads=(16, 1), seqlen_q=(1, 9), page_size=(64, 48),
     deterministic=(False, True), seqlens_equal=(False, True), out_rows_over_int32=(False, True))
 

@@ -2,7 +2,10 @@
 
 On CPU (reference path): float64 gradcheck, bit-equality with the concatenated `attention` call, property
 tests against an independent float64 softmax(q_nope.k_nope + q_pe.k_pe)V that never concatenates, compile,
-explain_mla and every validation error. On a GPU: bf16 through the kernels at DeepSeek's (128 + 64, 128).
+opcheck of mla_attn_fwd, explain_mla, every validation error, and the native path's wiring (what reaches the
+kernel module's fwd_mla: parts in place, misaligned parts copied alone) with a stand-in module on a faked SM90.
+On a GPU: bf16 through the kernels at DeepSeek's (128 + 64, 128); the native forward's bit-equality with the
+concatenated one is tests/gpu/test_fmha_fwd_sm90_mla.py's.
 """
 import math
 
@@ -11,8 +14,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import mla_autograd as M
-from mla_autograd import _build
+from mla_autograd import _build, _dispatch, reference
 from mla_autograd._dispatch import Call
+from mla_autograd._ops import concat_mla_parts
 from mla_autograd.testing import assert_error_within, dense_mask, naive_attention
 
 ALIGN = ["top_left", "bottom_right"]
@@ -263,15 +267,127 @@ def test_compile_fullgraph_varlen_one_cu_seqlens():
         torch.testing.assert_close(a, b)
 
 
+def test_opcheck_mla_attn_fwd():
+    """The op's schema, fake impl, registered autograd and AOT dispatch (on CPU its body concatenates the parts
+    for attn_fwd's reference path), dense and varlen, k_pe with one head and with Hkv."""
+    op = torch.ops.mla_autograd.mla_attn_fwd.default
+    for shared in (True, False):
+        parts = _parts(2, 5, 7, 4, 2, 8, 4, 6, shared=shared, dtype=torch.float32)
+        torch.library.opcheck(op, (*parts, None, None, 5, 7, 0.3, True, True, False))
+        cu = _cu([3, 0, 4])
+        packed = _parts(None, 7, 7, 4, 2, 8, 4, 6, shared=shared, dtype=torch.float32)
+        torch.library.opcheck(op, (*packed, cu, cu, 4, 4, 0.3, True, False, True))
+    out, lse = op(*_parts(1, 3, 3, 2, 1, 8, 4, 6, shared=True, dtype=torch.float32, grad=False), None, None, 3, 3,
+                  0.3, False, True)
+    assert out.shape == (1, 3, 2, 6) and lse.shape == (1, 2, 3)
+
+
+# ---------------------------------------------------------------- the native path's wiring (stand-in kernel module)
+
+class _StandInSm90:
+    """The fmha_fwd_sm90 / fmha_bwd_sm90 modules' entries as the float32 reference on CPU: fwd_mla records what it
+    is given and computes fwd on the concatenation, so native and concatenated calls agree bit for bit here too."""
+
+    def __init__(self):
+        self.mla_calls = []
+
+    def fwd(self, q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, br):
+        o, l = reference.attention_forward(q.float(), k.float(), v.float(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale, causal=causal,
+                                           bottom_right=br)
+        out.copy_(o)
+        lse.copy_(l)
+
+    def fwd_mla(self, q_nope, q_pe, k_nope, k_pe, v, out, lse, *args):
+        self.mla_calls.append((q_nope, q_pe, k_nope, k_pe, v))
+        self.fwd(*concat_mla_parts(q_nope, q_pe, k_nope, k_pe), v, out, lse, *args)
+
+    def bwd(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, msq, msk, scale, causal, br, det):
+        grads = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=msq,
+                                             max_seqlen_k=msk, softmax_scale=scale, causal=causal, bottom_right=br)
+        for dst, g in zip((dq, dk, dv), grads):
+            dst.copy_(g)
+
+
+@pytest.fixture
+def standin_sm90(monkeypatch):
+    """A faked SM90 whose kernel families are _StandInSm90 (dispatch memo and warnings reset)."""
+    ext = _StandInSm90()
+    monkeypatch.setattr(Call, "capability", property(lambda self: (9, 0)))
+    monkeypatch.setattr(_build, "family_available", lambda name: (True, ""))
+    monkeypatch.setattr(_build, "load_family", lambda name, **kw: ext)
+    monkeypatch.setattr(_dispatch, "_decisions", {})
+    monkeypatch.delenv("MLA_AUTOGRAD_BACKEND", raising=False)
+    return ext
+
+
+def _layer_views(B, S, H, *, q_offset=0, dtype=torch.bfloat16):
+    """q_nope / q_pe split from one (B, S, H, 192) projection (q_offset elements into a wider row), k_nope / v
+    from one (B, S, H, 256) projection, k_pe the rope slice of a (B, S, 576) latent row: (bases, parts)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, H, 192 + q_offset, generator=g).to(dtype)[..., q_offset:].requires_grad_()
+    kv = torch.randn(B, S, H, 256, generator=g).to(dtype).requires_grad_()
+    latent = torch.randn(B, S, 576, generator=g).to(dtype).requires_grad_()
+    return (q, kv, latent), (*q.split([128, 64], -1), *kv.split([128, 128], -1)[:1], latent[..., 512:].unsqueeze(2),
+                             kv[..., 128:])
+
+
+def test_native_path_reads_aligned_views_in_place(standin_sm90):
+    bases, parts = _layer_views(2, 9, 4)
+    assert M.explain_mla(*parts).path == "native"
+    out, lse = M.mla_attention(*parts, causal=True, deterministic=True, return_lse=True)
+    (given,) = standin_sm90.mla_calls
+    for name, a, b in zip(("q_nope", "q_pe", "k_nope", "k_pe", "v"), given, parts):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), name
+    assert given[3].shape == (2, 9, 1, 64)  # the shared rope key, not expanded
+    q, k = concat_mla_parts(*parts[:4])
+    ref, ref_lse = M.attention(q, k, parts[4], causal=True, deterministic=True, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    g, gr = _grads(out, bases, dout), _grads(ref, bases, dout)
+    for a, b in zip(g, gr):
+        assert torch.equal(a, b)
+
+
+def test_native_path_copies_a_misaligned_part_alone(standin_sm90):
+    bases, parts = _layer_views(1, 5, 2, q_offset=4)  # q_nope / q_pe 8 bytes off a 16-byte boundary
+    out = M.mla_attention(*parts)
+    (given,) = standin_sm90.mla_calls
+    for name, a, b in zip(("q_nope", "q_pe", "k_nope", "k_pe", "v"), given, parts):
+        assert torch.equal(a, b), name
+        assert a.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in a.stride()[:-1]), name
+        assert (a.data_ptr() == b.data_ptr()) == (name not in ("q_nope", "q_pe")), name
+    q, k = concat_mla_parts(*parts[:4])
+    assert torch.equal(out, M.attention(q, k, parts[4]))
+
+
+def test_native_path_varlen_and_saved_tensors(standin_sm90):
+    """Varlen through fwd_mla; autograd saves the parts (never a concatenated q / k)."""
+    cu = _cu([3, 0, 4])
+    parts = _parts(None, 7, 7, 4, 2, 128, 64, 128, shared=True, dtype=torch.float16)
+    out = M.mla_attention_varlen(*parts, cu, cu, 4, 4, causal=True)
+    assert len(standin_sm90.mla_calls) == 1
+    saved = {t.data_ptr() for t in out.grad_fn.saved_tensors if t is not None}
+    assert {t.data_ptr() for t in parts} <= saved
+    assert all(t.shape[-1] != 192 for t in out.grad_fn.saved_tensors if t is not None)
+    ref = _concat_call_varlen(*parts, cu, cu, 4, 4, causal=True)
+    assert torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    for a, b in zip(_grads(out, parts, dout), _grads(ref, parts, dout)):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- explain_mla
 
 def test_explain_mla_cpu():
     parts = _parts(1, 3, 3, 4, 2, 8, 4, 8, shared=True, dtype=torch.float32, grad=False)
     e = M.explain_mla(*parts, causal=True)
-    assert e.path == "concat"
+    assert e.path == "concat" and e.native.backend == "concat"
     assert e.forward.backend == "reference" and e.backward.backend == "reference"
     text = str(e)
     assert text.startswith("mla inputs: concat") and "kernels need CUDA" in text
+    assert "not sm90 in place: tensors are on cpu" in text
 
 
 @pytest.mark.parametrize("dims,expect", [((128, 64, 128), "sm90"), ((64, 64, 128), "sm90"),
@@ -286,6 +402,12 @@ def test_explain_mla_routes_concatenated_dims(monkeypatch, dims, expect):
     v = torch.empty(1, 4, 16, dv, dtype=torch.bfloat16)
     e = M.explain_mla(qn, qp, kn, kp, v, causal=True, deterministic=True)
     assert e.forward.backend == expect and e.backward.backend == expect, str(e)
+    native = dims == (128, 64, 128)
+    assert e.path == ("native" if native else "concat"), str(e)
+    assert e.forward.op == ("mla_fwd" if native else "attn_fwd") and e.backward.op == "attn_bwd"
+    assert str(e).startswith(f"mla inputs: {e.path}")
+    if not native:
+        assert f"part head dims (Dn, Dr, Dv) {dims} not in [(128, 64, 128)]" in str(e)
     if expect == "reference":
         assert f"head dims ({dn + dr}, {dv}) not in" in str(e)
 
@@ -397,7 +519,8 @@ def _sm90():
 def test_gpu_explain_mla_picks_sm90():
     parts = _parts(1, 8, 8, 16, 16, 128, 64, 128, shared=True, dtype=torch.bfloat16, device="cuda", grad=False)
     e = M.explain_mla(*parts, causal=True)
-    assert e.path == "concat" and e.forward.backend == "sm90" and e.backward.backend == "sm90", str(e)
+    assert e.path == "native" and e.forward.backend == "sm90" and e.backward.backend == "sm90", str(e)
+    assert e.forward.family == "fmha_fwd_sm90" and e.forward.op == "mla_fwd"
 
 
 @pytest.mark.gpu

@@ -3,6 +3,8 @@
 //   fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
 //       bottom_right) -> None                      what mla_autograd/_ops.py calls
 //   fwd_with_options(..., options: dict) -> None   the same with launch options (tests and benchmarks only)
+//   fwd_mla(q_nope, q_pe, k_nope, k_pe, v, out, lse, ...) -> None   fwd's arguments with MLA's split q / k read in
+//       place (the MLA-native 192/128 forward); fwd_mla_with_options likewise
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -21,10 +23,13 @@
 
 namespace {
 
-void check_strides(const at::Tensor& t, const char* name) {
+// TMA's rules: unit last stride, every other stride a multiple of 16 bytes, a 16-byte aligned base. skip_dim: a
+// dimension whose stride the kernel never uses (a one-head k_pe's head dimension).
+void check_strides(const at::Tensor& t, const char* name, int64_t skip_dim = -1) {
   MLA_CHECK(t.stride(-1) == 1, "fmha_fwd_sm90: ", name, " must have unit stride in its last dim, got ",
               t.strides());
   for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (i == skip_dim) continue;
     MLA_CHECK(t.stride(i) % 8 == 0, "fmha_fwd_sm90: ", name, " stride ", i, " (", t.stride(i),
                 ") must be a multiple of 8 elements");
   }
@@ -54,10 +59,53 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   return o;
 }
 
+// The rope parts of an MLA-native call: q and k of fwd_impl are then q_nope and k_nope.
+struct RopeInputs {
+  const at::Tensor& q_pe;
+  const at::Tensor& k_pe;
+};
+
+// Checks q_pe / k_pe against q_nope (q) and k_nope (k), whose shapes fwd_impl has checked, and fills `rp` with
+// their pointers and strides. Returns Dr.
+int64_t set_rope_parts(const RopeInputs& r, const at::Tensor& q, const at::Tensor& k, bool varlen,
+                       FmhaFwdSm90RopeParts& rp) {
+  const at::Tensor& qp = r.q_pe;
+  const at::Tensor& kp = r.k_pe;
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&qp, "q_pe"}, {&kp, "k_pe"}}) {
+    MLA_CHECK(t->is_cuda() && t->device() == q.device(), "fmha_fwd_sm90: ", name,
+              " must be a CUDA tensor on the device of q_nope");
+    MLA_CHECK(t->scalar_type() == q.scalar_type(), "fmha_fwd_sm90: ", name, " must have the dtype of q_nope");
+    MLA_CHECK(t->dim() == q.dim(), "fmha_fwd_sm90: ", name, " must have ", q.dim(), " dims, got ", t->sizes());
+  }
+  int64_t const nd = q.dim();
+  for (int64_t i = 0; i + 1 < nd; ++i) {
+    MLA_CHECK(qp.size(i) == q.size(i), "fmha_fwd_sm90: q_pe shape ", qp.sizes(), " does not match q_nope ", q.sizes());
+  }
+  for (int64_t i = 0; i + 2 < nd; ++i) {
+    MLA_CHECK(kp.size(i) == k.size(i), "fmha_fwd_sm90: k_pe shape ", kp.sizes(), " does not match k_nope ", k.sizes());
+  }
+  int64_t const hkv = k.size(-2), heads = kp.size(-2);
+  MLA_CHECK(heads == 1 || heads == hkv, "fmha_fwd_sm90: k_pe must have 1 head or as many as k_nope (", hkv,
+            "), got ", heads);
+  MLA_CHECK(kp.size(-1) == qp.size(-1), "fmha_fwd_sm90: k_pe head dim ", kp.size(-1), " must equal q_pe's ",
+            qp.size(-1));
+  check_strides(qp, "q_pe");
+  check_strides(kp, "k_pe", heads == 1 ? nd - 2 : -1);
+  rp.q_pe = qp.data_ptr();
+  rp.k_pe = kp.data_ptr();
+  rp.k_pe_heads = int(heads);
+  int64_t const r0 = varlen ? 0 : 1;  // the row dimension
+  rp.q_pe_row_stride = qp.stride(r0); rp.q_pe_head_stride = qp.stride(r0 + 1);
+  rp.k_pe_row_stride = kp.stride(r0); rp.k_pe_head_stride = heads == 1 ? 8 : kp.stride(r0 + 1);
+  rp.q_pe_batch_stride = varlen ? 0 : qp.stride(0);
+  rp.k_pe_batch_stride = varlen ? 0 : kp.stride(0);
+  return qp.size(-1);
+}
+
 void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
               const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
               std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, double softmax_scale,
-              bool causal, bool bottom_right, const FmhaFwdSm90Options& opt) {
+              bool causal, bool bottom_right, const FmhaFwdSm90Options& opt, const RopeInputs* rope = nullptr) {
   // ---- device, dtypes ----
   MLA_CHECK(q.is_cuda(), "fmha_fwd_sm90: q must be a CUDA tensor");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}}) {
@@ -133,6 +181,14 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
     p.cu_seqlens_q = cq.data_ptr<int>();
     p.cu_seqlens_k = ck.data_ptr<int>();
   }
+  FmhaFwdSm90RopeParts rp{};
+  if (rope != nullptr) {
+    int64_t const Dn = Dqk;
+    int64_t const Dr = set_rope_parts(*rope, q, k, varlen, rp);
+    MLA_CHECK(Dn == 128 && Dr == 64 && Dv == 128, "fmha_fwd_sm90: the MLA-native forward takes (Dn, Dr, Dv) = "
+              "(128, 64, 128) (q_nope, q_pe, v head dims), got (", Dn, ", ", Dr, ", ", Dv, ")");
+    Dqk = Dn + Dr;
+  }
   MLA_CHECK((Dqk == 192 && Dv == 128) || (Dqk == 128 && Dv == 128) || (Dqk == 64 && Dv == 64),
               "fmha_fwd_sm90: (Dqk, Dv) must be (192, 128), (128, 128) or (64, 64), got (", Dqk, ", ", Dv, ")");
   MLA_CHECK(Hkv > 0 && Hq % Hkv == 0, "fmha_fwd_sm90: Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
@@ -168,6 +224,9 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
     p.k_row_stride = p.v_row_stride = dmax; p.k_head_stride = p.v_head_stride = dmax;
     p.k_batch_stride = p.v_batch_stride = dmax;
     p.seqlen_k = 0;
+    rp.k_pe = kv_dummy.data_ptr();
+    rp.k_pe_row_stride = rp.k_pe_head_stride = rp.k_pe_batch_stride = dmax;
+    rp.k_pe_heads = 1;
   }
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -179,10 +238,15 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
     MLA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream),
                    "fmha_fwd_sm90: zeroing the tile counter");
   }
+  mla::DeviceInfo const& dev = mla::device_info(q.get_device());
+  if (rope != nullptr) {
+    MLA_CUDA_CHECK(fmha_fwd_sm90_launch_mla_192_128(p, rp, opt, dev, stream), "fmha_fwd_sm90: launch");
+    return;
+  }
   auto const launch = Dqk == 192 ? fmha_fwd_sm90_launch_192_128
                       : Dqk == 128 ? fmha_fwd_sm90_launch_128_128
                                    : fmha_fwd_sm90_launch_64_64;
-  MLA_CUDA_CHECK(launch(p, opt, mla::device_info(q.get_device()), stream), "fmha_fwd_sm90: launch");
+  MLA_CUDA_CHECK(launch(p, opt, dev, stream), "fmha_fwd_sm90: launch");
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -203,6 +267,25 @@ void fwd_with_options(const at::Tensor& q, const at::Tensor& k, const at::Tensor
            bottom_right, opt);
 }
 
+void fwd_mla_with_options(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& k_nope,
+                          const at::Tensor& k_pe, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                          const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+                          std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k,
+                          double softmax_scale, bool causal, bool bottom_right, const pybind11::dict& options) {
+  const FmhaFwdSm90Options opt = parse_options(options);
+  const RopeInputs rope{q_pe, k_pe};
+  fwd_impl(q_nope, k_nope, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+           causal, bottom_right, opt, &rope);
+}
+
+void fwd_mla(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& k_nope, const at::Tensor& k_pe,
+             const at::Tensor& v, at::Tensor& out, at::Tensor& lse, const std::optional<at::Tensor>& cu_seqlens_q,
+             const std::optional<at::Tensor>& cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+             std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right) {
+  fwd_mla_with_options(q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, softmax_scale, causal, bottom_right, pybind11::dict());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -219,4 +302,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),
         pybind11::arg("bottom_right"), pybind11::arg("options"));
+  m.def("fwd_mla", &fwd_mla,
+        "fwd with MLA's split query and key read in place: q_nope (.., Hq, 128), q_pe (.., Hq, 64), k_nope "
+        "(.., Hkv, 128), k_pe (.., 1 or Hkv, 64), v (.., Hkv, 128); out and lse as fwd's, bit for bit those of fwd "
+        "on the concatenated q / k",
+        pybind11::arg("q_nope"), pybind11::arg("q_pe"), pybind11::arg("k_nope"), pybind11::arg("k_pe"),
+        pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("cu_seqlens_q"),
+        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"));
+  m.def("fwd_mla_with_options", &fwd_mla_with_options, "fwd_mla with fwd_with_options' launch options",
+        pybind11::arg("q_nope"), pybind11::arg("q_pe"), pybind11::arg("k_nope"), pybind11::arg("k_pe"),
+        pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("cu_seqlens_q"),
+        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"),
+        pybind11::arg("options"));
 }

@@ -99,6 +99,14 @@ struct FwdTraits {
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStrideT{}),
       take<0, 2>(SmemLayoutVt{}), Shape<DV, BN>{}, _1{}));
 
+  // What tma_q / tma_k load: every column of the Q / K tile. FwdTraitsMla narrows these to the nope columns
+  // and loads the rope columns through descriptors of their own (RopeLoads).
+  static constexpr bool kMlaParts = false;
+  using DQKLoad = DQK;
+  using SmemLayoutQLoad = SmemLayoutQ;
+  using SmemLayoutKLoad = SmemLayoutK;
+
+  // The transaction bytes of a Q / K / V stage: the whole tile, however many descriptors fill it.
   static constexpr uint32_t kBytesQ = kBM * kDqk * sizeof(Element);
   static constexpr uint32_t kBytesK = kBN * kDqk * sizeof(Element);
   static constexpr uint32_t kBytesV = kBN * kDv * sizeof(Element);
@@ -131,6 +139,111 @@ struct FwdTraits {
     TMA_V tma_v;
     GShape shape_q, shape_k, shape_vt;
   };
+};
+
+// The MLA-native 192/128 forward: Q = [q_nope | q_pe] and K = [k_nope | k_pe] read where they are, each part
+// through its own TMA descriptor, into the very smem tiles of FwdTraits<Element, 192, 128> (the consumers, the
+// barriers and their transaction bytes are that kernel's). With the 128-byte swizzle a 192-column K-major tile
+// is three 64-column chunks, chunk c at element c * rows * 64 (a multiple of 1024 elements = 2 KiB, so every
+// chunk starts on the swizzle's 1 KiB period): columns 0..127 (nope) are chunks 0-1 and columns 128..191
+// (rope) chunk 2, which the rope descriptor writes as a 64-column tile of its own. k_pe has one head (the rope
+// key every kv head shares: its descriptor's head extent is 1 and its head coordinate 0) or Hkv.
+template <class Element_>
+struct FwdTraitsMla : FwdTraits<Element_, 192, 128> {
+  using Base = FwdTraits<Element_, 192, 128>;
+  using Element = Element_;
+  using typename Base::BM;
+  using typename Base::BN;
+  using typename Base::GShape;
+  using typename Base::GStride;
+  using typename Base::SmemLayoutQ;
+  using typename Base::SmemLayoutK;
+  static constexpr int kDn = 128, kDr = 64;
+  static constexpr int kBM = Base::kBM, kBN = Base::kBN, kDqk = Base::kDqk, kStages = Base::kStages;
+  static_assert(kDn + kDr == kDqk && kDn % 64 == 0, "the nope/rope split falls on a 64-column swizzle chunk");
+  using DN = Int<kDn>;
+  using DR = Int<kDr>;
+
+  // Columns [0, w) of the Q tile and of every K stage, as layouts of their own: the tile's layout composed
+  // with the column-major coordinates of a narrower tile (the K stage stride stays the 192-column one). The
+  // rope part is the same layout at a pointer kDn columns (kDn / 64 chunks) into the tile.
+  template <class W>
+  using QCols = decltype(composition(SmemLayoutQ{}, Layout<Shape<BM, W>, Stride<_1, BM>>{}));
+  template <class W>
+  using KCols = decltype(composition(SmemLayoutK{},
+                                     Layout<Shape<BN, W, Int<kStages>>, Stride<_1, BN, Int<kBN * kDqk>>>{}));
+  using SmemLayoutQPe = QCols<DR>;
+  using SmemLayoutKPe = KCols<DR>;
+
+  static constexpr bool kMlaParts = true;
+  using DQKLoad = DN;
+  using SmemLayoutQLoad = QCols<DN>;
+  using SmemLayoutKLoad = KCols<DN>;
+
+  template <class SmemLayout, class Cols>
+  using TmaOf = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayout{}, Cols{}, _1{}));
+  using TMA_Q = TmaOf<SmemLayoutQLoad, Shape<BM, DN>>;
+  using TMA_K = TmaOf<decltype(take<0, 2>(SmemLayoutKLoad{})), Shape<BN, DN>>;
+  using TMA_QPe = TmaOf<SmemLayoutQPe, Shape<BM, DR>>;
+  using TMA_KPe = TmaOf<decltype(take<0, 2>(SmemLayoutKPe{})), Shape<BN, DR>>;
+
+  // FwdTraits' parameters with tma_q / tma_k (and shape_q / shape_k) over q_nope / k_nope, then the rope parts.
+  struct KernelParams {
+    FmhaFwdSm90Params p;
+    TMA_Q tma_q;
+    TMA_K tma_k;
+    typename Base::TMA_V tma_v;
+    GShape shape_q, shape_k, shape_vt;
+    TMA_QPe tma_q_pe;
+    TMA_KPe tma_k_pe;
+    GShape shape_q_pe, shape_k_pe;
+    int k_pe_shared;  // k_pe has one head: its head coordinate is 0 for every kv head
+  };
+};
+
+// The rope columns of a tile's Q and K, loaded by the producer right after tma_q / tma_k load the rest, onto
+// the same barrier (whose transaction count is the whole tile's). Nothing for traits whose tma_q / tma_k load
+// whole tiles. The coordinates are the nope part's: the same rows, query head, kv head (or 0) and batch.
+template <class KT, bool = KT::kMlaParts>
+struct RopeLoads {
+  CUTE_DEVICE RopeLoads(typename KT::KernelParams const&, typename KT::SharedStorage&, FwdTile const&, int, int,
+                        int) {}
+  CUTE_DEVICE void q(uint64_t&) const {}
+  CUTE_DEVICE void k(uint64_t&, int, int) const {}
+};
+
+template <class KT>
+struct RopeLoads<KT, true> {
+  using BM = typename KT::BM;
+  using BN = typename KT::BN;
+  using DR = typename KT::DR;
+  typename KT::KernelParams const& kp;
+  typename KT::SharedStorage& ss;
+  int h, h_pe, b_q, b_k, offset_q, offset_k, m_block;
+
+  CUTE_DEVICE RopeLoads(typename KT::KernelParams const& kp_, typename KT::SharedStorage& ss_, FwdTile const& tile,
+                        int h_kv, int b_tma_q, int b_tma_k)
+      : kp(kp_), ss(ss_), h(tile.h), h_pe(kp_.k_pe_shared ? 0 : h_kv), b_q(b_tma_q), b_k(b_tma_k),
+        offset_q(int(tile.si.offset_q)), offset_k(int(tile.si.offset_k)), m_block(tile.m_block) {}
+
+  CUTE_DEVICE void q(uint64_t& bar) const {
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data() + KT::kBM * KT::kDn), typename KT::SmemLayoutQPe{});
+    Tensor mQ = kp.tma_q_pe.get_tma_tensor(kp.shape_q_pe)(_, _, h, b_q);
+    Tensor gQ = local_tile(domain_offset(make_coord(offset_q, _0{}), mQ), Shape<BM, DR>{}, make_coord(m_block, _0{}));
+    auto [tQg, tQs] = tma_partition(kp.tma_q_pe, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    copy(kp.tma_q_pe.with(bar, 0), tQg, tQs);
+  }
+
+  // Key block n into ring stage `stage`.
+  CUTE_DEVICE void k(uint64_t& bar, int n, int stage) const {
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data() + KT::kBN * KT::kDn), typename KT::SmemLayoutKPe{});
+    Tensor mK = kp.tma_k_pe.get_tma_tensor(kp.shape_k_pe)(_, _, h_pe, b_k);
+    Tensor gK = local_tile(domain_offset(make_coord(offset_k, _0{}), mK), Shape<BN, DR>{}, make_coord(_, _0{}));
+    auto [tKg, tKs] = tma_partition(kp.tma_k_pe, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    copy(kp.tma_k_pe.with(bar, 0), tKg(_, n), tKs(_, stage));
+  }
 };
 
 // Online softmax state for the rows a thread holds (R rows, quad-shared).
@@ -186,6 +299,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
   using BN = typename KT::BN;
   using DQK = typename KT::DQK;
   using DV = typename KT::DV;
+  using DQKLoad = typename KT::DQKLoad;
   using SharedStorage = typename KT::SharedStorage;
   using ClusterBarrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -210,6 +324,10 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    if constexpr (KT::kMlaParts) {
+      cute::prefetch_tma_descriptor(kp.tma_q_pe.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(kp.tma_k_pe.get_tma_descriptor());
+    }
     TxBarrier::init(&ss.bar_q, 1);
     ClusterBarrier::init(&ss.empty_q, KT::kMmaWarps);
     ClusterBarrier::init(&ss.tile_full[0], 1);
@@ -279,29 +397,35 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         int const b_tma_q = p.cu_seqlens_q != nullptr ? 0 : tile.b;
         int const b_tma_k = p.cu_seqlens_k != nullptr ? 0 : tile.b;
         Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q)(_, _, tile.h, b_tma_q);
-        Tensor gQ = local_tile(domain_offset(make_coord(int(tile.si.offset_q), _0{}), mQ), Shape<BM, DQK>{},
+        Tensor gQ = local_tile(domain_offset(make_coord(int(tile.si.offset_q), _0{}), mQ), Shape<BM, DQKLoad>{},
                                make_coord(tile.m_block, _0{}));
         Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k)(_, _, h_kv, b_tma_k);
-        Tensor gK = local_tile(domain_offset(make_coord(int(tile.si.offset_k), _0{}), mK), Shape<BN, DQK>{},
+        Tensor gK = local_tile(domain_offset(make_coord(int(tile.si.offset_k), _0{}), mK), Shape<BN, DQKLoad>{},
                                make_coord(_, _0{}));  // (BN, D, nblk)
         Tensor mVt = kp.tma_v.get_tma_tensor(kp.shape_vt)(_, _, h_kv, b_tma_k);
         Tensor gVt = local_tile(domain_offset(make_coord(_0{}, int(tile.si.offset_k)), mVt), Shape<DV, BN>{},
                                 make_coord(_0{}, _));  // (Dv, BN, nblk)
 
-        auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        // sQ / sK themselves, or their nope columns where RopeLoads loads the rest
+        Tensor sQl = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQLoad{});
+        Tensor sKl = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKLoad{});
+        auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQl), group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sKl), group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+        RopeLoads<KT> const rope(kp, ss, tile, h_kv, b_tma_q, b_tma_k);
 
         ClusterBarrier::wait(&ss.empty_q, q_phase);
         q_phase ^= 1;
         TxBarrier::arrive_and_expect_tx(&ss.bar_q, KT::kBytesQ);
         copy(kp.tma_q.with(ss.bar_q, 0), tQg, tQs);
+        rope.q(ss.bar_q);
 
         CUTE_NO_UNROLL
         for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
           ClusterBarrier::wait(&ss.empty_k[stage], phase);
           TxBarrier::arrive_and_expect_tx(&ss.full_k[stage], KT::kBytesK);
           copy(kp.tma_k.with(ss.full_k[stage], 0), tKg(_, n), tKs(_, stage));
+          rope.k(ss.full_k[stage], n, stage);
           ClusterBarrier::wait(&ss.empty_v[stage], phase);
           TxBarrier::arrive_and_expect_tx(&ss.full_v[stage], KT::kBytesV);
           copy(kp.tma_v.with(ss.full_v[stage], 0), tVg(_, n), tVs(_, stage));
@@ -477,38 +601,23 @@ inline int l2_head_group(FmhaFwdSm90Params const& p, int num_hb, int forced, int
 }
 
 // ------------------------------------------------------------------------------------------------
-template <class Element, int kDqk, int kDv, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
-cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
-                                   mla::DeviceInfo const& dev, cudaStream_t stream) {
-  using KT = FwdTraits<Element, kDqk, kDv, kBlockN>;
-  using GShape = typename KT::GShape;
-  bool const varlen_q = p.cu_seqlens_q != nullptr;
-  bool const varlen_k = p.cu_seqlens_k != nullptr;
-  int const nb_q = varlen_q ? 1 : p.batch;
-  int const nb_k = varlen_k ? 1 : p.batch;
-  // With a single batch entry its stride is never used; keep it a valid multiple of 16 bytes.
-  int64_t const qbs = varlen_q ? 8 : p.q_batch_stride;
-  int64_t const kbs = varlen_k ? 8 : p.k_batch_stride;
-  int64_t const vbs = varlen_k ? 8 : p.v_batch_stride;
+// The batch extent of the global tensors TMA sees: one entry for packed (varlen) tensors, whose batch stride is
+// then never used and is kept a valid multiple of 16 bytes.
+struct FwdBatch {
+  bool varlen_q, varlen_k;
+  int nb_q, nb_k;
+  explicit FwdBatch(FmhaFwdSm90Params const& p)
+      : varlen_q(p.cu_seqlens_q != nullptr), varlen_k(p.cu_seqlens_k != nullptr),
+        nb_q(varlen_q ? 1 : p.batch), nb_k(varlen_k ? 1 : p.batch) {}
+  int64_t q_stride(int64_t s) const { return varlen_q ? 8 : s; }
+  int64_t k_stride(int64_t s) const { return varlen_k ? 8 : s; }
+};
 
-  GShape shape_q = make_shape(int32_t(p.rows_q), int32_t(kDqk), int32_t(p.hq), int32_t(nb_q));
-  GShape shape_k = make_shape(int32_t(p.rows_k), int32_t(kDqk), int32_t(p.hkv), int32_t(nb_k));
-  GShape shape_vt = make_shape(int32_t(kDv), int32_t(p.rows_k), int32_t(p.hkv), int32_t(nb_k));
-
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), shape_q,
-                          make_stride(p.q_row_stride, _1{}, p.q_head_stride, qbs));
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), shape_k,
-                          make_stride(p.k_row_stride, _1{}, p.k_head_stride, kbs));
-  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), shape_vt,
-                           make_stride(_1{}, p.v_row_stride, p.v_head_stride, vbs));
-
-  typename KT::KernelParams kp{
-      p,
-      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename KT::SmemLayoutQ{}, Shape<typename KT::BM, typename KT::DQK>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename KT::SmemLayoutK{}), Shape<typename KT::BN, typename KT::DQK>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename KT::SmemLayoutVt{}), Shape<typename KT::DV, typename KT::BN>{}, _1{}),
-      shape_q, shape_k, shape_vt};
-
+// What every launch shares once its descriptors are made: the grid over the tiles, the L2 launch groups, the
+// scheduler's choice and the kernel.
+template <class KT>
+cudaError_t launch_fmha_fwd_sm90(FmhaFwdSm90Params const& p, typename KT::KernelParams& kp,
+                                 FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev, cudaStream_t stream) {
   int const num_m = (p.seqlen_q + KT::kBM - 1) / KT::kBM;
   if (num_m == 0 || p.batch == 0 || p.hq == 0) return cudaSuccess;
   int const num_hb = p.hq * p.batch;
@@ -533,6 +642,78 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   return cudaGetLastError();
 }
 
+// V^T (Dv, rows, heads, batch) of a launch, as tma_v reads it.
+template <class KT>
+auto fwd_gmem_vt(FmhaFwdSm90Params const& p, FwdBatch const& bat) {
+  using Element = typename KT::Element;
+  typename KT::GShape shape = make_shape(int32_t(KT::kDv), int32_t(p.rows_k), int32_t(p.hkv), int32_t(bat.nb_k));
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), shape,
+                     make_stride(_1{}, p.v_row_stride, p.v_head_stride, bat.k_stride(p.v_batch_stride)));
+}
+
+template <class Element, int kDqk, int kDv, int kBlockN = FmhaFwdSm90Config<kDqk, kDv>::kBlockN>
+cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
+                                   mla::DeviceInfo const& dev, cudaStream_t stream) {
+  using KT = FwdTraits<Element, kDqk, kDv, kBlockN>;
+  using GShape = typename KT::GShape;
+  FwdBatch const bat(p);
+  GShape shape_q = make_shape(int32_t(p.rows_q), int32_t(kDqk), int32_t(p.hq), int32_t(bat.nb_q));
+  GShape shape_k = make_shape(int32_t(p.rows_k), int32_t(kDqk), int32_t(p.hkv), int32_t(bat.nb_k));
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), shape_q,
+                          make_stride(p.q_row_stride, _1{}, p.q_head_stride, bat.q_stride(p.q_batch_stride)));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), shape_k,
+                          make_stride(p.k_row_stride, _1{}, p.k_head_stride, bat.k_stride(p.k_batch_stride)));
+  Tensor mVt = fwd_gmem_vt<KT>(p, bat);
+
+  typename KT::KernelParams kp{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename KT::SmemLayoutQ{}, Shape<typename KT::BM, typename KT::DQK>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename KT::SmemLayoutK{}), Shape<typename KT::BN, typename KT::DQK>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename KT::SmemLayoutVt{}), Shape<typename KT::DV, typename KT::BN>{}, _1{}),
+      shape_q, shape_k, mVt.shape()};
+  return launch_fmha_fwd_sm90<KT>(p, kp, opt, dev, stream);
+}
+
+// The MLA-native 192/128 launch: p describes q_nope / k_nope (p.q, p.k and their strides; p.dqk = 192), rope the
+// rope parts. Its tiles are those of the 192/128 launch on the concatenated q / k, masked or not (that config
+// has one key block), so the two compute the same scores in the same order.
+template <class Element>
+cudaError_t run_fmha_fwd_sm90_mla(FmhaFwdSm90Params const& p, FmhaFwdSm90RopeParts const& rope,
+                                  FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev, cudaStream_t stream) {
+  using KT = FwdTraitsMla<Element>;
+  using GShape = typename KT::GShape;
+  static_assert(KT::Cfg::kBlockNNoMask == KT::kBN, "the concatenated 192/128 launch uses one key block width");
+  FwdBatch const bat(p);
+  auto part = [&](void const* ptr, int rows, int d, int heads, int nb, int64_t rs, int64_t hs, int64_t bs) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       GShape(make_shape(int32_t(rows), int32_t(d), int32_t(heads), int32_t(nb))),
+                       make_stride(rs, _1{}, hs, bs));
+  };
+  Tensor mQ = part(p.q, p.rows_q, KT::kDn, p.hq, bat.nb_q, p.q_row_stride, p.q_head_stride,
+                   bat.q_stride(p.q_batch_stride));
+  Tensor mK = part(p.k, p.rows_k, KT::kDn, p.hkv, bat.nb_k, p.k_row_stride, p.k_head_stride,
+                   bat.k_stride(p.k_batch_stride));
+  Tensor mQpe = part(rope.q_pe, p.rows_q, KT::kDr, p.hq, bat.nb_q, rope.q_pe_row_stride, rope.q_pe_head_stride,
+                     bat.q_stride(rope.q_pe_batch_stride));
+  Tensor mKpe = part(rope.k_pe, p.rows_k, KT::kDr, rope.k_pe_heads, bat.nb_k, rope.k_pe_row_stride,
+                     rope.k_pe_head_stride, bat.k_stride(rope.k_pe_batch_stride));
+  Tensor mVt = fwd_gmem_vt<KT>(p, bat);
+
+  using BM = typename KT::BM;
+  using BN = typename KT::BN;
+  typename KT::KernelParams kp{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename KT::SmemLayoutQLoad{}, Shape<BM, typename KT::DN>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename KT::SmemLayoutKLoad{}), Shape<BN, typename KT::DN>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename KT::SmemLayoutVt{}), Shape<typename KT::DV, BN>{}, _1{}),
+      mQ.shape(), mK.shape(), mVt.shape(),
+      make_tma_copy(SM90_TMA_LOAD{}, mQpe, typename KT::SmemLayoutQPe{}, Shape<BM, typename KT::DR>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mKpe, take<0, 2>(typename KT::SmemLayoutKPe{}), Shape<BN, typename KT::DR>{}, _1{}),
+      mQpe.shape(), mKpe.shape(),
+      rope.k_pe_heads == 1 ? 1 : 0};
+  return launch_fmha_fwd_sm90<KT>(p, kp, opt, dev, stream);
+}
+
 // Unmasked problems take the config's wider key block where it has one (kBlockNNoMask).
 template <class Element, int kDqk, int kDv>
 cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev,
@@ -551,4 +732,13 @@ cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options con
                                                  mla::DeviceInfo const& dev, cudaStream_t stream) {          \
     return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90<cutlass::bfloat16_t, DQK, DV>(p, opt, dev, stream)      \
                      : mla_sm90::run_fmha_fwd_sm90<cutlass::half_t, DQK, DV>(p, opt, dev, stream);         \
+  }
+
+// The MLA-native launcher (fmha_fwd_sm90_hdim192_mla.cu), one for both 16-bit types.
+#define MLA_FMHA_FWD_SM90_DEFINE_MLA_LAUNCHER()                                                                \
+  cudaError_t fmha_fwd_sm90_launch_mla_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90RopeParts const& rope,   \
+                                               FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev,      \
+                                               cudaStream_t stream) {                                          \
+    return p.is_bf16 ? mla_sm90::run_fmha_fwd_sm90_mla<cutlass::bfloat16_t>(p, rope, opt, dev, stream)        \
+                     : mla_sm90::run_fmha_fwd_sm90_mla<cutlass::half_t>(p, rope, opt, dev, stream);           \
   }

@@ -28,6 +28,19 @@ struct FmhaFwdSm90Params : FmhaProblemParams {
   int* tile_counter;
 };
 
+// The rope parts of the MLA-native forward (fmha_fwd_sm90_launch_mla_192_128), which reads MLA's split query and
+// key where they are instead of a concatenated q / k: FmhaFwdSm90Params then describes q_nope (B, Sq, Hq, 128) /
+// (Tq, Hq, 128) as q and k_nope (B, Sk, Hkv, 128) / (Tk, Hkv, 128) as k, with dqk = 192, and this the rope parts
+// q_pe (B, Sq, Hq, 64) / (Tq, Hq, 64) and k_pe (B, Sk, 1 or Hkv, 64) / (Tk, 1 or Hkv, 64). Strides in elements,
+// pointers and strides 16-byte aligned (batch strides unused in varlen; the head stride of a one-head k_pe too).
+struct FmhaFwdSm90RopeParts {
+  void const* q_pe;
+  void const* k_pe;
+  int64_t q_pe_row_stride, q_pe_head_stride, q_pe_batch_stride;
+  int64_t k_pe_row_stride, k_pe_head_stride, k_pe_batch_stride;
+  int k_pe_heads;  // 1: one rope key shared by every kv head; else hkv
+};
+
 // Host-side launch options: what the test-only entry fwd_with_options can set (tests, benchmarks); fwd uses
 // the defaults. Never part of the kernel's parameters.
 struct FmhaFwdSm90Options {
@@ -56,5 +69,10 @@ cudaError_t fmha_fwd_sm90_launch_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90
                                          mla::DeviceInfo const& dev, cudaStream_t stream);
 cudaError_t fmha_fwd_sm90_launch_128_128(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
                                          mla::DeviceInfo const& dev, cudaStream_t stream);
+// q_nope / q_pe and k_nope / k_pe read in place: the results of fmha_fwd_sm90_launch_192_128 on the concatenated
+// q = [q_nope | q_pe], k = [k_nope | k_pe] (k_pe broadcast over the kv heads when it has one), bit for bit.
+cudaError_t fmha_fwd_sm90_launch_mla_192_128(FmhaFwdSm90Params const& p, FmhaFwdSm90RopeParts const& rope,
+                                             FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev,
+                                             cudaStream_t stream);
 cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
                                        mla::DeviceInfo const& dev, cudaStream_t stream);
