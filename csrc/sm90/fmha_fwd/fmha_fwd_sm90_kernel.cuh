@@ -674,7 +674,7 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
   return launch_fmha_fwd_sm90<KT>(p, kp, opt, dev, stream);
 }
 
-// The MLA-native 192/128 launch: p describes q_nope / k_nope (p.q, p.k and their strides; p.dqk = 192), rope the
+// The MLA-native 192/128 launch: p describes q_nope / k_nope (p.q, p.k and their strides; p.head_dim_qk = 192), rope the
 // rope parts. Its tiles are those of the 192/128 launch on the concatenated q / k, masked or not (that config
 // has one key block), so the two compute the same scores in the same order.
 template <class Element>

@@ -30,7 +30,7 @@ struct FmhaFwdSm90Params : FmhaProblemParams {
 
 // The rope parts of the MLA-native forward (fmha_fwd_sm90_launch_mla_192_128), which reads MLA's split query and
 // key where they are instead of a concatenated q / k: FmhaFwdSm90Params then describes q_nope (B, Sq, Hq, 128) /
-// (Tq, Hq, 128) as q and k_nope (B, Sk, Hkv, 128) / (Tk, Hkv, 128) as k, with dqk = 192, and this the rope parts
+// (Tq, Hq, 128) as q and k_nope (B, Sk, Hkv, 128) / (Tk, Hkv, 128) as k, with head_dim_qk = 192, and this the rope parts
 // q_pe (B, Sq, Hq, 64) / (Tq, Hq, 64) and k_pe (B, Sk, 1 or Hkv, 64) / (Tk, 1 or Hkv, 64). Strides in elements,
 // pointers and strides 16-byte aligned (batch strides unused in varlen; the head stride of a one-head k_pe too).
 struct FmhaFwdSm90RopeParts {
