@@ -1,29 +1,42 @@
 #!/usr/bin/env python
 """Benchmark mla_autograd.nn.MultiHeadLatentAttention against transformers' DeepseekV3Attention.
 
-Two measurements, median of CUDA-event timings:
+Measurements, median of CUDA-event timings, each with the peak memory of one more step:
 
-1. train step: forward + backward of one attention layer (DeepSeek-V3 dims by default: hidden 7168,
-   128 heads, q_lora_rank 1536, latent 512, qk 128+64, v 128, YaRN) at batch 1 x seqlen 4096, causal,
-   bf16. Ours (expanded latent + mla_autograd.attention) vs transformers eager and sdpa, same weights.
-2. decode step: one new token per request for --decode-batch requests with --decode-len cached
+1. train step: forward, and forward + backward, of one attention layer (DeepSeek-V3 dims by default: hidden
+   7168, 128 heads, q_lora_rank 1536, latent 512, qk 128+64, v 128, YaRN) at batch 1 x each --seqlen
+   (default 4096), causal, bf16. Ours (expanded latent + mla_autograd.attention) vs transformers eager and
+   sdpa, same weights. Transformers eager materializes the B x H x S x S scores (64 GiB a copy at S=16384 in
+   bf16): above --eager-max-seqlen it is not run and writes no row.
+2. the floor of our train step: one forward + backward under torch.profiler, its device time split into
+   GEMMs (the projections, which any implementation of the layer pays), our attention kernels, and the rest
+   (RoPE, norms, concatenations, copies). floor = GEMM + attention; step_over_floor = the step's median over
+   the floor, what the glue and the gaps between kernels cost.
+3. decode step: one new token per request for --decode-batch requests with --decode-len cached
    tokens each, under inference_mode. Ours: paged latent cache + weight-absorbed mla_autograd.decode;
    transformers: its latent DynamicCache (expand_kv over the whole cache every step), eager and sdpa.
 
+Rows: measure (train_fwd, train_fwd_bwd, train_fwd_bwd_floor, decode_step), impl, seqlen (train rows),
+compile, median_ms / min_ms / max_ms / iters, peak_mib (torch.cuda.max_memory_allocated over one step:
+weights and inputs included) and peak_over_start_mib (less what was allocated when the step began: what the
+step itself needs); a floor row has gemm_ms, attention_ms, other_ms, floor_ms, device_ms (all kernels),
+step_ms and step_over_floor. Memory and profiler fields are None off CUDA.
+
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
 error and the rest go on. A GPU run is added to the results store bench/results/layer.json (bench/store.py:
-one row per measurement and implementation, keyed by gpu, torch, commit and date) and bench/results/layer.png
-is redrawn from it; --out FILE writes the run alone to FILE (and its .png) instead, which a CPU smoke run
-needs to write anything (it never goes to the store). Results are printed as well.
+one row per measurement, implementation and seqlen, keyed by gpu, torch, commit and date) and
+bench/results/layer.png is redrawn from it; --out FILE writes the run alone to FILE (and its .png) instead,
+which a CPU smoke run needs to write anything (it never goes to the store). Results are printed as well.
 
-    python bench/bench_layer.py                        # GPU, defaults above
-    python bench/bench_layer.py --device cpu --small   # smoke test on a CPU
-    python bench/bench_layer.py --compile              # also each train row under torch.compile
+    python bench/bench_layer.py                              # GPU, defaults above
+    python bench/bench_layer.py --seqlen 4096 16384 --compile  # the layer's record: both lengths, eager and compiled
+    python bench/bench_layer.py --device cpu --small         # smoke test on a CPU
 
 With --compile, the train rows are repeated with the whole layer call under torch.compile (rows
-`<name>+compile`, ours and transformers sdpa): our ops are torch.library ops with fake kernels, so the
-projections, RoPE, norms and concatenations around them fuse like any other PyTorch code. Compilation
-happens in the warmup calls and is not timed.
+`<name>+compile` with compile=True, ours and transformers sdpa): our ops are torch.library ops with fake
+kernels, so the projections, RoPE, norms and concatenations around them fuse like any other PyTorch code.
+Compilation happens in the warmup calls and is not timed; shapes are static (dynamic=False), so each
+seqlen gets a graph of its own rather than one dynamic graph after the second length.
 """
 from __future__ import annotations
 
@@ -45,7 +58,7 @@ import mla_autograd  # noqa: E402
 from mla_autograd.nn import MultiHeadLatentAttention  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from common import stamp  # noqa: E402
+from common import device_kernels, kernel_split, stamp  # noqa: E402
 from store import latest_rows, load, record, store_path  # noqa: E402
 
 try:
@@ -80,6 +93,60 @@ def timeit(fn, *, warmup: int, iters: int, device: torch.device) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
 
 
+MIB = 1 << 20
+
+
+def step_memory(fn, device, before=None) -> dict:
+    """Peak memory of one more call of fn: peak_mib, torch.cuda.max_memory_allocated over the call (the
+    weights, inputs and everything else held included), and peak_over_start_mib, that less what was allocated
+    when the call began. before() runs first, outside the window (e.g. dropping the last step's gradients,
+    which the step would free at its start). None off CUDA, whose allocator keeps no such statistics."""
+    if device.type != "cuda":
+        return {"peak_mib": None, "peak_over_start_mib": None}
+    if before is not None:
+        before()
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_mib": peak / MIB, "peak_over_start_mib": (peak - start) / MIB}
+
+
+FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", "step_over_floor")
+
+
+def step_floor(fn, device, step_ms: float) -> dict:
+    """Device time of one call of fn under torch.profiler, by kernel kind (common.kernel_kind), and the
+    floor GEMM + attention: what the step would take with nothing between those kernels. None off CUDA."""
+    if device.type != "cuda":
+        return dict.fromkeys(FLOOR_FIELDS)
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    kernels = device_kernels(prof)
+    r = kernel_split(kernels)
+    r["floor_ms"] = r["gemm_ms"] + r["attention_ms"]
+    r["device_ms"] = sum(us for us, _, _ in kernels) / 1e3
+    r["step_over_floor"] = step_ms / r["floor_ms"] if r["floor_ms"] > 0 else None
+    return r
+
+
+def failed(e: Exception) -> dict:
+    return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def find(rows: list, measure: str, impl: str, seqlen=None) -> dict:
+    """The row of (measure, impl, seqlen) without an error, or {}."""
+    for r in rows:
+        if (r["measure"], r["impl"], r.get("seqlen")) == (measure, impl, seqlen) and "error" not in r:
+            return r
+    return {}
+
+
 def hf_config(a, attn: str):
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -110,55 +177,92 @@ def attn_flops(b, s, h, dqk, dv, causal=True):
     return f / 2 if causal else f
 
 
-def bench_train(a, device, dtype, results, backends):
-    B, S = a.batch, a.seqlen
+def bench_train(a, device, dtype, rows, backends):
     torch.manual_seed(0)
-    ours = make_ours(a, device, dtype)
+    # the weights live on the host between rows, so that each row's peak memory holds its own layer alone
+    state = {k: v.detach().cpu() for k, v in make_ours(a, torch.device("cpu"), dtype).state_dict().items()}
+    for S in a.seqlen:
+        bench_train_at(a, S, state, device, dtype, rows, backends)
+
+
+def bench_train_at(a, S, state, device, dtype, rows, backends):
+    B = a.batch
+    torch.manual_seed(0)
     x = torch.randn(B, S, a.hidden, device=device, dtype=dtype)
     dy = torch.randn_like(x)
     fl = attn_flops(B, S, a.heads, a.nope + a.rope, a.v)
     q = torch.empty(B, S, a.heads, a.nope + a.rope, device=device, dtype=dtype)
     v = torch.empty(B, S, a.heads, a.v, device=device, dtype=dtype)
     ex = mla_autograd.explain(q, q, v, causal=True)
-    backends["train"] = {"forward": ex.forward.backend, "backward": ex.backward.backend}
-    print(f"ours attention backend: forward {ex.forward.backend}, backward {ex.backward.backend}")
+    del q, v
+    chosen = {"forward": ex.forward.backend, "backward": ex.backward.backend}
+    backends.setdefault("train", chosen)
+    if chosen != backends["train"]:  # a length that dispatches elsewhere is recorded under its own key
+        backends[f"train_S{S}"] = chosen
+    print(f"S={S}: ours attention backend: forward {ex.forward.backend}, backward {ex.backward.backend}")
 
-    def run_rows(name, layer, call):
+    def run_rows(name, layer, call, compiled=False):
         xg = x.detach().requires_grad_(True)
 
         def fwd():
             with torch.no_grad():
                 call(layer, x)
 
-        def step():
+        def clear():
             layer.zero_grad(set_to_none=True)
             xg.grad = None
+
+        def step():
+            clear()
             call(layer, xg).backward(dy)
 
         for kind, fn in (("fwd", fwd), ("fwd_bwd", step)):
-            key = f"train_{kind}/{name}"
+            row = {"measure": f"train_{kind}", "impl": name, "seqlen": S, "compile": compiled}
+            what = f"S={S:<6d} {row['measure']}/{name}"
             try:
-                r = timeit(fn, warmup=a.warmup, iters=a.iters, device=device)
-                r["attention_tflops_fwd_equiv"] = None
+                row.update(timeit(fn, warmup=a.warmup, iters=a.iters, device=device))
+                row["attention_tflops_fwd_equiv"] = None
                 if kind == "fwd":
-                    r["attention_tflops_fwd_equiv"] = fl / (r["median_ms"] * 1e-3) / 1e12
-                results[key] = r
-                print(f"{key:32s} {r['median_ms']:9.3f} ms (min {r['min_ms']:.3f})")
+                    row["attention_tflops_fwd_equiv"] = fl / (row["median_ms"] * 1e-3) / 1e12
+                row.update(step_memory(fn, device, before=clear))
+                mem = f", peak {row['peak_mib']:.0f} MiB" if row["peak_mib"] is not None else ""
+                print(f"{what:44s} {row['median_ms']:9.3f} ms (min {row['min_ms']:.3f}){mem}")
             except Exception as e:  # noqa: BLE001
-                results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(f"{key:32s} FAILED {results[key]['error']}")
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                row.update(failed(e))
+                print(f"{what:44s} FAILED {row['error']}")
+            rows.append(row)
+            if kind == "fwd_bwd" and name.startswith("mla_autograd") and "error" not in row:
+                floor = {"measure": "train_fwd_bwd_floor", "impl": name, "seqlen": S, "compile": compiled}
+                try:
+                    clear()
+                    floor.update(step_floor(step, device, row["median_ms"]))
+                    floor["step_ms"] = row["median_ms"]
+                    if floor["floor_ms"] is not None:
+                        print(f"{'':44s} floor {floor['floor_ms']:.3f} ms (GEMM {floor['gemm_ms']:.3f} + attention "
+                              f"{floor['attention_ms']:.3f}; other {floor['other_ms']:.3f}), "
+                              f"step/floor {floor['step_over_floor']:.2f}")
+                except Exception as e:  # noqa: BLE001
+                    floor.update(failed(e))
+                    print(f"{what:44s} floor FAILED {floor['error']}")
+                rows.append(floor)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
+    def compiled(call):
+        # static shapes: each seqlen its own graph, as a training run at one length would have
+        return torch.compile(call, dynamic=False)
+
+    ours = make_ours(a, device, dtype, state)
     run_rows("mla_autograd", ours, lambda m, h: m(h))
     if a.compile:
-        run_rows("mla_autograd+compile", ours, torch.compile(lambda m, h: m(h)))
-    state = {k: v.detach().clone() for k, v in ours.state_dict().items()}
+        run_rows("mla_autograd+compile", ours, compiled(lambda m, h: m(h)), compiled=True)
+    del ours
     if transformers is None:
         return
-    del ours
     for attn in ("eager", "sdpa"):
+        if attn == "eager" and S > a.eager_max_seqlen:
+            print(f"S={S:<6d} transformers eager skipped: above --eager-max-seqlen {a.eager_max_seqlen}")
+            continue
         try:
             cfg = hf_config(a, attn)
             hf = DeepseekV3Attention(cfg, layer_idx=0).to(device, dtype)
@@ -174,23 +278,23 @@ def bench_train(a, device, dtype, results, backends):
 
             run_rows(f"transformers_{attn}", hf, call)
             if a.compile and attn == "sdpa":
-                run_rows(f"transformers_{attn}+compile", hf, torch.compile(call))
-            del hf
+                run_rows(f"transformers_{attn}+compile", hf, compiled(call), compiled=True)
+            del hf, mask
         except Exception as e:  # noqa: BLE001
-            results[f"train/transformers_{attn}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            rows.append({"measure": "train", "impl": f"transformers_{attn}", "seqlen": S, **failed(e)})
             print(f"transformers {attn} setup FAILED: {e}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 @torch.inference_mode()
-def bench_decode(a, device, dtype, results, backends):
+def bench_decode(a, device, dtype, rows, backends):
     B, L = a.decode_batch, a.decode_len
     torch.manual_seed(0)
     ours = make_ours(a, device, dtype)
     state = {k: v.detach().clone() for k, v in ours.state_dict().items()}
     x = torch.randn(B, 1, a.hidden, device=device, dtype=dtype)
-    total = a.warmup + a.iters + 1
+    total = a.warmup + a.iters + 2  # the timed steps, the memory step, one spare
     page = a.page_size
     cache = ours.new_cache(num_pages=B * math.ceil((L + total) / page), page_size=page, batch=B)
     ckv = torch.randn(B, L, a.kv_lora_rank, device=device, dtype=dtype)
@@ -201,19 +305,30 @@ def bench_decode(a, device, dtype, results, backends):
     d = mla_autograd.explain_decode(qn, qp, cache.ckv).decode
     backends["decode"] = d.backend
     print(f"ours decode backend: {d.backend}")
-    key = "decode_step/mla_autograd"
-    try:
-        r = timeit(lambda: ours(x, cache=cache), warmup=a.warmup, iters=a.iters, device=device)
-        results[key] = r
-        print(f"{key:32s} {r['median_ms']:9.3f} ms (min {r['min_ms']:.3f})  [B={B}, cache {L} tokens, page {page}]")
-    except Exception as e:  # noqa: BLE001
-        results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(f"{key:32s} FAILED {results[key]['error']}")
+
+    def measure(name, step, check=None, note=""):
+        row = {"measure": "decode_step", "impl": name, "compile": False}
+        what = f"decode_step/{name}"
+        try:
+            row.update(timeit(step, warmup=a.warmup, iters=a.iters, device=device))
+            row.update(step_memory(step, device))
+            if check is not None:
+                check()
+            mem = f", peak {row['peak_mib']:.0f} MiB" if row["peak_mib"] is not None else ""
+            print(f"{what:44s} {row['median_ms']:9.3f} ms (min {row['min_ms']:.3f}){mem}{note}")
+        except Exception as e:  # noqa: BLE001
+            row = {k: v for k, v in row.items() if k in ("measure", "impl", "compile")}
+            row.update(failed(e))
+            print(f"{what:44s} FAILED {row['error']}")
+        rows.append(row)
+
+    measure("mla_autograd", lambda: ours(x, cache=cache), note=f"  [B={B}, cache {L} tokens, page {page}]")
     ours = cache = None  # free the memory before the transformers rows
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if transformers is None:
         return
     for attn in ("eager", "sdpa"):
-        key = f"decode_step/transformers_{attn}"
         try:
             cfg = hf_config(a, attn)
             hf = DeepseekV3Attention(cfg, layer_idx=0).to(device, dtype)
@@ -228,22 +343,22 @@ def bench_decode(a, device, dtype, results, backends):
             import inspect
             kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
-            def step():
+            def step(hf=hf, rot=rot, hcache=hcache, kw=kw, n=n):
                 pos = torch.full((B, 1), n[0], device=device, dtype=torch.long)
                 hf(x, rot(x, pos), None, **{kw: hcache})
                 n[0] += 1
 
-            r = timeit(step, warmup=a.warmup, iters=a.iters, device=device)
-            grown = hcache.get_seq_length(0)
-            if grown != L + a.warmup + a.iters:
-                raise RuntimeError(f"transformers' cache holds {grown} tokens after the steps, expected "
-                                   f"{L + a.warmup + a.iters}: the steps did not use it")
-            results[key] = r
-            print(f"{key:32s} {r['median_ms']:9.3f} ms (min {r['min_ms']:.3f})")
-            hf = hcache = None
+            def check(hcache=hcache, n=n):
+                grown = hcache.get_seq_length(0)
+                if grown != n[0]:
+                    raise RuntimeError(f"transformers' cache holds {grown} tokens after the steps, expected "
+                                       f"{n[0]}: the steps did not use it")
         except Exception as e:  # noqa: BLE001
-            results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"{key:32s} FAILED {results[key]['error']}")
+            rows.append({"measure": "decode_step", "impl": f"transformers_{attn}", "compile": False, **failed(e)})
+            print(f"transformers {attn} decode setup FAILED: {e}")
+            continue
+        measure(f"transformers_{attn}", step, check)
+        hf = hcache = step = check = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -261,7 +376,10 @@ def main(argv=None):
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--v", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--seqlen", type=int, nargs="+", default=None, metavar="S",
+                    help="train rows at each of these lengths, in one process (default 4096; 128 with --small)")
+    ap.add_argument("--eager-max-seqlen", type=int, default=8192, metavar="S",
+                    help="no transformers eager train rows above this length: its S x S scores do not fit")
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-len", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=64)
@@ -269,7 +387,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also time the train rows under torch.compile")
+    ap.add_argument("--compile", action="store_true", help="also time the train rows of ours and transformers sdpa under torch.compile")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
@@ -286,8 +404,9 @@ def main(argv=None):
         print("no CUDA device: run with --device cpu --small for a smoke test; nothing to measure")
         return 0
     if a.small:
-        a.hidden, a.heads, a.q_lora_rank, a.seqlen = 256, 8, 64, 128
+        a.hidden, a.heads, a.q_lora_rank = 256, 8, 64
         a.decode_batch, a.decode_len, a.page_size, a.warmup, a.iters = 2, 100, 16, 1, 3
+    a.seqlen = a.seqlen or ([128] if a.small else [4096])
     dtype = getattr(torch, a.dtype)
     if device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32
@@ -297,30 +416,19 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=r"mla_autograd: .* reference path")  # backends are printed
 
     out = stamp()  # at the start: the run's date is when it began
-    results, backends = {}, {}
+    rows, backends = [], {}
     if not a.skip_train:
-        bench_train(a, device, dtype, results, backends)
+        bench_train(a, device, dtype, rows, backends)
     if not a.skip_decode:
-        bench_decode(a, device, dtype, results, backends)
-
-    for what in ("train_fwd", "train_fwd_bwd", "decode_step"):
-        ours = results.get(f"{what}/mla_autograd", {}).get("median_ms")
-        for attn in ("eager", "sdpa"):
-            other = results.get(f"{what}/transformers_{attn}", {}).get("median_ms")
-            if ours and other:
-                print(f"{what}: speedup of mla_autograd over transformers {attn}: {other / ours:.2f}x")
-        ours_c = results.get(f"{what}/mla_autograd+compile", {}).get("median_ms")
-        for other_key in ("transformers_sdpa", "transformers_sdpa+compile"):
-            other = results.get(f"{what}/{other_key}", {}).get("median_ms")
-            if ours_c and other:
-                print(f"{what}: speedup of mla_autograd+compile over {other_key}: {other / ours_c:.2f}x")
+        bench_decode(a, device, dtype, rows, backends)
+    summary(rows, a.seqlen)
     out.update({
         "bench": "bench_layer",
         "transformers": getattr(transformers, "__version__", None),
         "dtype": str(dtype).replace("torch.", ""),
         "config": {k: getattr(a, k) for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope", "rope", "v",
-                                              "batch", "seqlen", "decode_batch", "decode_len", "page_size",
-                                              "warmup", "iters", "compile")},
+                                              "batch", "seqlen", "eager_max_seqlen", "decode_batch", "decode_len",
+                                              "page_size", "warmup", "iters", "compile")},
         "backends": backends,
     })
     if device.type != "cuda":
@@ -328,16 +436,48 @@ def main(argv=None):
         if a.out is None:  # a CPU smoke run: its numbers mean nothing beside the GPU runs of the store
             print("not written (a CPU run goes to a file only with --out)")
             return 0
-    rows = result_rows(results)
     path = record("layer", out, rows, out=a.out, results=a.results)
     _plot(rows, path.with_suffix(".png"), _title(out))
     print(f"wrote {path}")
     return 0
 
 
-def result_rows(results: dict) -> list[dict]:
-    """{"<measure>/<impl>": {median_ms, ...}} -> rows {"measure", "impl", median_ms, ...} (the store's layout)."""
-    return [{"measure": k.split("/", 1)[0], "impl": k.split("/", 1)[1], **v} for k, v in results.items()]
+def speedup(rows, measure, ours, other, seqlen=None):
+    """other's median over ours' for one measure (None where either is missing)."""
+    t, t_other = find(rows, measure, ours, seqlen).get("median_ms"), find(rows, measure, other, seqlen).get("median_ms")
+    return t_other / t if t and t_other else None
+
+
+def _num(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def summary(rows: list, seqlens) -> None:
+    """Per train length a table (step, floor, step/floor, peak memory, speedups over transformers sdpa,
+    ours compiled against sdpa compiled), then the decode step's speedups."""
+    pairs = (("mla_autograd", "transformers_sdpa"), ("mla_autograd+compile", "transformers_sdpa+compile"),
+             ("mla_autograd+compile", "transformers_sdpa"), ("mla_autograd", "transformers_eager"))
+    for S in seqlens:
+        impls = list(dict.fromkeys(r["impl"] for r in rows if r.get("seqlen") == S and r["measure"] != "train"))
+        if not impls:
+            continue
+        print(f"\nS={S}: ms, peak MiB of the fwd+bwd step (over its start), floor = GEMM + attention kernels")
+        print(f"  {'impl':28s} {'fwd':>8s} {'fwd+bwd':>9s} {'floor':>8s} {'step/floor':>10s} {'peak MiB':>18s}")
+        for impl in impls:
+            f, fb = find(rows, "train_fwd", impl, S), find(rows, "train_fwd_bwd", impl, S)
+            fl = find(rows, "train_fwd_bwd_floor", impl, S)
+            mem = "-" if fb.get("peak_mib") is None else f"{fb['peak_mib']:.0f} ({fb['peak_over_start_mib']:.0f})"
+            print(f"  {impl:28s} {_num(f.get('median_ms'), '8.3f'):>8s} {_num(fb.get('median_ms'), '9.3f'):>9s} "
+                  f"{_num(fl.get('floor_ms'), '8.3f'):>8s} {_num(fl.get('step_over_floor'), '10.2f'):>10s} {mem:>18s}")
+        for what in ("train_fwd", "train_fwd_bwd"):
+            for ours, other in pairs:
+                x = speedup(rows, what, ours, other, S)
+                if x is not None:
+                    print(f"S={S} {what}: speedup of {ours} over {other}: {x:.2f}x")
+    for ours, other in pairs:
+        x = speedup(rows, "decode_step", ours, other)
+        if x is not None:
+            print(f"decode_step: speedup of {ours} over {other}: {x:.2f}x")
 
 
 def _title(run: dict) -> str:
@@ -345,7 +485,8 @@ def _title(run: dict) -> str:
 
 
 def _plot(rows: list, path, title: str) -> None:
-    """Median ms per implementation, one panel per measurement."""
+    """Median ms per implementation, one panel per measurement and seqlen; beside each of our fwd+bwd steps
+    its floor, stacked GEMM + attention, with the step/floor ratio over the step's bar."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -353,16 +494,37 @@ def _plot(rows: list, path, title: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    whats = [w for w in ("train_fwd", "train_fwd_bwd", "decode_step") if any(r["measure"] == w for r in rows)]
-    if not whats:
+    panels = [(w, S) for w in ("train_fwd", "train_fwd_bwd", "decode_step")
+              for S in dict.fromkeys(r.get("seqlen") for r in rows if r["measure"] == w and "median_ms" in r)]
+    if not panels:
         return
-    fig, axes = plt.subplots(1, len(whats), figsize=(4.5 * len(whats), 4), squeeze=False)
-    for ax, w in zip(axes[0], whats):
-        bars = [(r["impl"], r["median_ms"]) for r in rows if r["measure"] == w and "median_ms" in r]
-        ax.bar([n for n, _ in bars], [t for _, t in bars])
-        ax.set_title(w)
+    cols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (w, S) in zip(axes.flat, panels):
+        labels, x = [], 0
+        for r in rows:
+            if r["measure"] != w or r.get("seqlen") != S or "median_ms" not in r:
+                continue
+            ax.bar(x, r["median_ms"], color="C0")
+            labels.append((x, r["impl"]))
+            fl = find(rows, "train_fwd_bwd_floor", r["impl"], S) if w == "train_fwd_bwd" else {}
+            if fl.get("floor_ms"):
+                ax.text(x, r["median_ms"], f"{fl['step_over_floor']:.2f}x floor", ha="center", va="bottom", fontsize=7)
+                x += 1
+                ax.bar(x, fl["gemm_ms"], color="C2", label="floor: GEMM")
+                ax.bar(x, fl["attention_ms"], bottom=fl["gemm_ms"], color="C3", label="floor: attention")
+                labels.append((x, "floor"))
+            x += 1
+        ax.set_xticks([p for p, _ in labels], [n for _, n in labels])
+        ax.set_title(w if S is None else f"{w}, S={S}")
         ax.set_ylabel("median ms (lower is better)")
         ax.tick_params(axis="x", labelsize=7, rotation=15)
+        handles, names = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(dict(zip(names, handles)).values(), dict(zip(names, handles)).keys(), fontsize=7, loc="best")
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

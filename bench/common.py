@@ -1,5 +1,5 @@
-"""Shared benchmarking helpers: timing, the environment stamp of a run, power sampling. Results go to the
-results store (store.py)."""
+"""Shared benchmarking helpers: timing, the environment stamp of a run, power sampling, the kernels of a
+profiled call and their kind. Results go to the results store (store.py)."""
 from __future__ import annotations
 
 import datetime
@@ -50,6 +50,50 @@ def graph_ms(fn, timer=median_ms) -> float:
     with torch.cuda.graph(g):
         fn()
     return timer(g.replay)
+
+
+# Kernel names, matched in lower case. Attention first: our CUTLASS-built attention kernels carry "cutlass" in
+# their template arguments, which would otherwise read as a GEMM.
+ATTENTION_KERNELS = ("fmha", "mla_decode", "flash", "sdpa")  # ours, PyTorch's flash/mem-efficient, cuDNN's
+GEMM_KERNELS = ("gemm", "gemv", "cutlass", "cublas", "xmma", "nvjet")  # cuBLAS(Lt), CUTLASS, Hopper's nvjet
+
+
+def kernel_kind(name: str) -> str:
+    """'attention', 'gemm' or 'other' (elementwise, reductions, copies: the glue between them)."""
+    low = name.lower()
+    if any(k in low for k in ATTENTION_KERNELS):
+        return "attention"
+    if any(k in low for k in GEMM_KERNELS):
+        return "gemm"
+    return "other"
+
+
+def device_kernels(prof, iters: int = 1) -> list[tuple[float, float, str]]:
+    """(device us per call, launches per call, name) of every kernel, copy or memset a torch.profiler run of
+    `iters` calls recorded, most time first. The profiler also lists the host-side ops that launched them and
+    the annotated ranges around them with the same device time: kept out, or the time would count twice."""
+    from torch.autograd import DeviceType
+    rows = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", DeviceType.CUDA) == DeviceType.CPU or getattr(e, "is_user_annotation", False):
+            continue
+        if e.key.startswith(("aten::", "cuda", "mla_autograd::")) or "autograd" in e.key:
+            continue
+        dev_us = getattr(e, "device_time_total", None)
+        if dev_us is None:
+            dev_us = e.cuda_time_total
+        if dev_us > 0 and e.count > 0:
+            rows.append((dev_us / iters, e.count / iters, e.key))
+    rows.sort(reverse=True)
+    return rows
+
+
+def kernel_split(kernels) -> dict:
+    """Milliseconds per kernel_kind of device_kernels' rows: {'gemm_ms', 'attention_ms', 'other_ms'}."""
+    out = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ms": 0.0}
+    for us, _, name in kernels:
+        out[f"{kernel_kind(name)}_ms"] += us / 1e3
+    return out
 
 
 def commit() -> str:

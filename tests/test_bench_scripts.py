@@ -2,7 +2,8 @@
 results store (an A/B decode run in a store of its own), or --out's file alone; a CPU smoke run of bench_layer
 or bench_transformers only with --out. The kernels need a GPU: bench_decode's and bench_kernels' timing
 functions are replaced by fakes here, and bench_layer and bench_transformers run for real at their --small
-sizes on the reference path."""
+sizes on the reference path; bench_layer's CUDA-only fields (peak memory, the profiled floor) are checked on
+a faked allocator and profiler."""
 from __future__ import annotations
 
 import importlib.util
@@ -229,3 +230,121 @@ def test_transformers_bench_failed_rows_are_recorded(monkeypatch, tmp_path):
         assert "out of memory" in rows["train_step", i]["error"] and "ms" not in rows["train_step", i]
         assert rows["prefill", i]["ms"] > 0
     assert rows["train_step", "mla_autograd"]["speedup_vs_sdpa"] is None
+
+
+def test_layer_cpu_train_rows_per_seqlen_with_compile_floor_and_memory_fields(monkeypatch, tmp_path):
+    """Two lengths in one run, eager above --eager-max-seqlen left out, the --compile rows of both sides marked
+    compile=True (torch.compile replaced by the function itself: inductor on a CPU is slow, and the rows' plumbing
+    is what is checked), and the memory and profiler fields present but None off CUDA."""
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    mod = _load("bench_layer")
+    compiled = []
+    monkeypatch.setattr(mod.torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    out = tmp_path / "run.json"
+    assert mod.main(["--device", "cpu", "--small", "--skip-decode", "--seqlen", "32", "64",
+                     "--eager-max-seqlen", "32", "--compile", "--iters", "1", "--out", str(out)]) == 0
+    assert compiled == [{"dynamic": False}] * 4  # ours and transformers sdpa, at each length
+    st = json.loads(out.read_text())
+    (run,) = st["runs"]
+    assert run["config"]["seqlen"] == [32, 64] and run["config"]["eager_max_seqlen"] == 32
+    rows = {(r["measure"], r["impl"], r["seqlen"]): r for r in st["rows"]}
+    impls = ["mla_autograd", "mla_autograd+compile", "transformers_eager", "transformers_sdpa",
+             "transformers_sdpa+compile"]
+    expect = {(m, i, S) for S in (32, 64) for m in ("train_fwd", "train_fwd_bwd") for i in impls
+              if not (i == "transformers_eager" and S == 64)}
+    expect |= {("train_fwd_bwd_floor", i, S) for S in (32, 64) for i in impls[:2]}
+    assert set(rows) == expect
+    for (measure, impl, S), r in rows.items():
+        assert "error" not in r, r
+        assert r["compile"] == impl.endswith("+compile")
+        if measure == "train_fwd_bwd_floor":
+            assert all(r[k] is None for k in mod.FLOOR_FIELDS)
+            assert r["step_ms"] == rows["train_fwd_bwd", impl, S]["median_ms"]
+        else:
+            assert r["median_ms"] > 0 and r["peak_mib"] is None and r["peak_over_start_mib"] is None
+    assert mod.main(["--replot", str(out)]) == 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+class _FakeEvent:
+    def __init__(self, key, us, count=1, device=True, annotation=False):
+        from torch.autograd import DeviceType
+        self.key, self.device_time_total, self.count = key, us, count
+        self.device_type = DeviceType.CUDA if device else DeviceType.CPU
+        self.is_user_annotation = annotation
+
+
+class _FakeProfile:
+    """torch.profiler.profile as step_floor uses it: a context manager whose key_averages() lists these
+    events (a GPU run's kinds: our attention kernels, whose names carry cutlass, cuBLAS/nvjet GEMMs, glue
+    kernels, and the host ops and annotated ranges that repeat their time)."""
+
+    EVENTS = [
+        _FakeEvent("void fmha_fwd_sm90_kernel<KT<cutlass::bfloat16_t, 192, 128>>(...)", 1000.0),
+        _FakeEvent("fmha_bwd_sm90_main<Tr>", 2500.0),
+        _FakeEvent("fmha_bwd_sm90_preprocess", 100.0),
+        _FakeEvent("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", 3000.0, count=6),
+        _FakeEvent("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 1500.0, count=3),
+        _FakeEvent("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", 400.0),
+        _FakeEvent("triton_poi_fused__to_copy_cat_mul_0", 700.0, count=4),
+        _FakeEvent("Memset (Device)", 50.0),
+        _FakeEvent("aten::mm", 4900.0, device=False),
+        _FakeEvent("## Call CompiledFxGraph fxyz ##", 9000.0, annotation=True),
+        _FakeEvent("cudaLaunchKernel", 0.0, count=20, device=False),
+    ]
+
+    def __init__(self, activities=None):
+        self.activities = activities
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def key_averages(self):
+        return self.EVENTS
+
+
+def test_layer_floor_splits_a_profiled_step_by_kernel_kind(monkeypatch):
+    """step_floor's CUDA path with the profiler and the device synchronization faked: the kinds of
+    common.kernel_kind summed, host ops and annotated ranges left out, floor = GEMM + attention."""
+    import torch.profiler
+    mod = _load("bench_layer")
+    common = _load("common")
+    assert [common.kernel_kind(e.key) for e in _FakeProfile.EVENTS[:8]] == (
+        ["attention"] * 3 + ["gemm"] * 3 + ["other"] * 2)
+    assert [k[2] for k in common.device_kernels(_FakeProfile())] == [e.key for e in sorted(
+        _FakeProfile.EVENTS[:8], key=lambda e: -e.device_time_total)]
+    monkeypatch.setattr(torch.profiler, "profile", _FakeProfile)
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    r = mod.step_floor(lambda: calls.append(1), mod.torch.device("cuda"), step_ms=12.5)
+    assert calls == [1]
+    assert r["attention_ms"] == pytest.approx(3.6) and r["gemm_ms"] == pytest.approx(4.9)
+    assert r["other_ms"] == pytest.approx(0.75) and r["device_ms"] == pytest.approx(9.25)
+    assert r["floor_ms"] == pytest.approx(8.5) and r["step_over_floor"] == pytest.approx(12.5 / 8.5)
+
+
+def test_layer_step_memory_is_the_peak_of_one_call_over_its_start(monkeypatch):
+    mod = _load("bench_layer")
+    mib = mod.MIB
+    state = {"now": 100 * mib, "peak": 0}
+    cuda = mod.torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda *a: state["now"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *a: state.update(peak=state["now"]))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["peak"])
+
+    def step():
+        state["peak"] = max(state["peak"], state["now"] + 30 * mib)
+
+    def drop_grads():  # what the step would free at its start, freed before the window opens
+        state["now"] -= 20 * mib
+    r = mod.step_memory(step, mod.torch.device("cuda"), before=drop_grads)
+    assert r == {"peak_mib": 110.0, "peak_over_start_mib": 30.0}
+    assert mod.step_memory(step, mod.torch.device("cpu")) == {"peak_mib": None, "peak_over_start_mib": None}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mla_autograd as M  # noqa: E402
-from common import events_ms, graph_ms, median_ms  # noqa: E402
+from common import device_kernels, events_ms, graph_ms, kernel_split, median_ms  # noqa: E402
 
 
 def queued_ms(fn, iters=10) -> float:
@@ -53,19 +53,11 @@ def kernel_table(label: str, fn, iters=5, top=12) -> None:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "device_time_total", None)
-        if dev_us is None:
-            dev_us = e.cuda_time_total
-        if dev_us > 0 and e.count > 0:
-            rows.append((dev_us / iters, e.count / iters, e.key))
-    rows.sort(reverse=True)
-    # kernels only (the profiler also lists the host-side ops that launched them, with the same time)
-    kernels = [r for r in rows if not r[2].startswith(("aten::", "cuda", "Memcpy", "Memset", "mla_autograd::"))
-               and "autograd" not in r[2]]
+    kernels = device_kernels(prof, iters)
     total = sum(r[0] for r in kernels)
-    print(f"\n[{label}] per call: {wall:.3f} ms queued back to back, of which kernels {total / 1e3:.3f} ms")
+    split = kernel_split(kernels)
+    print(f"\n[{label}] per call: {wall:.3f} ms queued back to back, of which kernels {total / 1e3:.3f} ms "
+          f"(GEMM {split['gemm_ms']:.3f}, attention {split['attention_ms']:.3f}, other {split['other_ms']:.3f})")
     for us, cnt, name in kernels[:top]:
         print(f"  {us / 1e3:9.3f} ms  x{cnt:<5.1f} {name[:110]}")
 
