@@ -131,28 +131,17 @@ __device__ __forceinline__ void store_dkv(const MainArgs<Tr>& args, typename Tr:
     return;
   }
   const int key0 = w.n_block * Tr::BN;
-  if constexpr (Tr::Swap) {
-    Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + w.sq.offset_k * p.dv_row_stride +
-                  w.hkv * p.dv_head_stride;
-    Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + w.sq.offset_k * p.dk_row_stride +
-                  w.hkv * p.dk_head_stride;
-    store_dkv_rows<true>(tdVrdV, typename Tr::TiledMmadV{}.get_thread_slice(tidx), typename Tr::ShapedV{}, dv,
-                         p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
-    store_dkv_rows<true>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx), typename Tr::ShapedK{}, dk,
-                         p.dk_row_stride, key0, w.sq.seqlen_k, p.softmax_scale);
-  } else {
-    // coordinates from an opaque thread index, so that nothing for them stays live through the loop
-    int tidx_e = tidx;
-    asm volatile("" : "+r"(tidx_e));
-    auto thr_e = typename Tr::TiledMmadK{}.get_thread_slice(tidx_e);
-    Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + w.sq.offset_k * p.dv_row_stride +
-                  w.hkv * p.dv_head_stride;
-    store_dkv_rows<false>(tdVrdV, thr_e, typename Tr::ShapedV{}, dv, p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
-    Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + w.sq.offset_k * p.dk_row_stride +
-                  w.hkv * p.dk_head_stride;
-    store_dkv_rows<false>(tdKrdK, thr_e, typename Tr::ShapedK{}, dk, p.dk_row_stride, key0, w.sq.seqlen_k,
-                          p.softmax_scale);
-  }
+  Element* dv = static_cast<Element*>(p.dv) + w.b * p.dv_batch_stride + w.sq.offset_k * p.dv_row_stride +
+                w.hkv * p.dv_head_stride;
+  Element* dk = static_cast<Element*>(p.dk) + w.b * p.dk_batch_stride + w.sq.offset_k * p.dk_row_stride +
+                w.hkv * p.dk_head_stride;
+  int tidx_e = tidx;
+  // unswapped: coordinates from an opaque thread index, so that nothing for them stays live through the loop
+  if constexpr (!Tr::Swap) asm volatile("" : "+r"(tidx_e));
+  store_dkv_rows<Tr::Swap>(tdVrdV, typename Tr::TiledMmadV{}.get_thread_slice(tidx_e), typename Tr::ShapedV{}, dv,
+                           p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
+  store_dkv_rows<Tr::Swap>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx_e), typename Tr::ShapedK{}, dk,
+                           p.dk_row_stride, key0, w.sq.seqlen_k, p.softmax_scale);
 }
 
 }  // namespace fmha_bwd_sm90

@@ -642,6 +642,16 @@ cudaError_t launch_fmha_fwd_sm90(FmhaFwdSm90Params const& p, typename KT::Kernel
   return cudaGetLastError();
 }
 
+// A (rows, d, heads, batch) global tensor as the Q / K descriptors read it (d unit-stride).
+template <class KT>
+auto fwd_gmem(void const* ptr, int rows, int d, int heads, int nb, int64_t row_stride, int64_t head_stride,
+              int64_t batch_stride) {
+  using Element = typename KT::Element;
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                     typename KT::GShape(make_shape(int32_t(rows), int32_t(d), int32_t(heads), int32_t(nb))),
+                     make_stride(row_stride, _1{}, head_stride, batch_stride));
+}
+
 // V^T (Dv, rows, heads, batch) of a launch, as tma_v reads it.
 template <class KT>
 auto fwd_gmem_vt(FmhaFwdSm90Params const& p, FwdBatch const& bat) {
@@ -655,14 +665,11 @@ template <class Element, int kDqk, int kDv, int kBlockN = FmhaFwdSm90Config<kDqk
 cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
                                    mla::DeviceInfo const& dev, cudaStream_t stream) {
   using KT = FwdTraits<Element, kDqk, kDv, kBlockN>;
-  using GShape = typename KT::GShape;
   FwdBatch const bat(p);
-  GShape shape_q = make_shape(int32_t(p.rows_q), int32_t(kDqk), int32_t(p.hq), int32_t(bat.nb_q));
-  GShape shape_k = make_shape(int32_t(p.rows_k), int32_t(kDqk), int32_t(p.hkv), int32_t(bat.nb_k));
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), shape_q,
-                          make_stride(p.q_row_stride, _1{}, p.q_head_stride, bat.q_stride(p.q_batch_stride)));
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), shape_k,
-                          make_stride(p.k_row_stride, _1{}, p.k_head_stride, bat.k_stride(p.k_batch_stride)));
+  Tensor mQ = fwd_gmem<KT>(p.q, p.rows_q, kDqk, p.hq, bat.nb_q, p.q_row_stride, p.q_head_stride,
+                           bat.q_stride(p.q_batch_stride));
+  Tensor mK = fwd_gmem<KT>(p.k, p.rows_k, kDqk, p.hkv, bat.nb_k, p.k_row_stride, p.k_head_stride,
+                           bat.k_stride(p.k_batch_stride));
   Tensor mVt = fwd_gmem_vt<KT>(p, bat);
 
   typename KT::KernelParams kp{
@@ -670,7 +677,7 @@ cudaError_t run_fmha_fwd_sm90_impl(FmhaFwdSm90Params const& p, FmhaFwdSm90Option
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename KT::SmemLayoutQ{}, Shape<typename KT::BM, typename KT::DQK>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename KT::SmemLayoutK{}), Shape<typename KT::BN, typename KT::DQK>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename KT::SmemLayoutVt{}), Shape<typename KT::DV, typename KT::BN>{}, _1{}),
-      shape_q, shape_k, mVt.shape()};
+      mQ.shape(), mK.shape(), mVt.shape()};
   return launch_fmha_fwd_sm90<KT>(p, kp, opt, dev, stream);
 }
 
@@ -681,22 +688,16 @@ template <class Element>
 cudaError_t run_fmha_fwd_sm90_mla(FmhaFwdSm90Params const& p, FmhaFwdSm90RopeParts const& rope,
                                   FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev, cudaStream_t stream) {
   using KT = FwdTraitsMla<Element>;
-  using GShape = typename KT::GShape;
   static_assert(KT::Cfg::kBlockNNoMask == KT::kBN, "the concatenated 192/128 launch uses one key block width");
   FwdBatch const bat(p);
-  auto part = [&](void const* ptr, int rows, int d, int heads, int nb, int64_t rs, int64_t hs, int64_t bs) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       GShape(make_shape(int32_t(rows), int32_t(d), int32_t(heads), int32_t(nb))),
-                       make_stride(rs, _1{}, hs, bs));
-  };
-  Tensor mQ = part(p.q, p.rows_q, KT::kDn, p.hq, bat.nb_q, p.q_row_stride, p.q_head_stride,
-                   bat.q_stride(p.q_batch_stride));
-  Tensor mK = part(p.k, p.rows_k, KT::kDn, p.hkv, bat.nb_k, p.k_row_stride, p.k_head_stride,
-                   bat.k_stride(p.k_batch_stride));
-  Tensor mQpe = part(rope.q_pe, p.rows_q, KT::kDr, p.hq, bat.nb_q, rope.q_pe_row_stride, rope.q_pe_head_stride,
-                     bat.q_stride(rope.q_pe_batch_stride));
-  Tensor mKpe = part(rope.k_pe, p.rows_k, KT::kDr, rope.k_pe_heads, bat.nb_k, rope.k_pe_row_stride,
-                     rope.k_pe_head_stride, bat.k_stride(rope.k_pe_batch_stride));
+  Tensor mQ = fwd_gmem<KT>(p.q, p.rows_q, KT::kDn, p.hq, bat.nb_q, p.q_row_stride, p.q_head_stride,
+                           bat.q_stride(p.q_batch_stride));
+  Tensor mK = fwd_gmem<KT>(p.k, p.rows_k, KT::kDn, p.hkv, bat.nb_k, p.k_row_stride, p.k_head_stride,
+                           bat.k_stride(p.k_batch_stride));
+  Tensor mQpe = fwd_gmem<KT>(rope.q_pe, p.rows_q, KT::kDr, p.hq, bat.nb_q, rope.q_pe_row_stride,
+                             rope.q_pe_head_stride, bat.q_stride(rope.q_pe_batch_stride));
+  Tensor mKpe = fwd_gmem<KT>(rope.k_pe, p.rows_k, KT::kDr, rope.k_pe_heads, bat.nb_k, rope.k_pe_row_stride,
+                             rope.k_pe_head_stride, bat.k_stride(rope.k_pe_batch_stride));
   Tensor mVt = fwd_gmem_vt<KT>(p, bat);
 
   using BM = typename KT::BM;
