@@ -20,7 +20,7 @@ Rows: measure (train_fwd, train_fwd_bwd, train_fwd_bwd_floor, decode_step), impl
 compile, median_ms / min_ms / max_ms / iters, peak_mib (torch.cuda.max_memory_allocated over one step:
 weights and inputs included) and peak_over_start_mib (less what was allocated when the step began: what the
 step itself needs); a floor row has gemm_ms, attention_ms, other_ms, floor_ms, device_ms (all kernels),
-step_ms and step_over_floor. Memory and profiler fields are None off CUDA.
+step_ms, step_over_floor and other_top (the largest glue kernels: [name, us, launches] per step). Memory and profiler fields are None off CUDA.
 
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
 error and the rest go on. A GPU run is added to the results store bench/results/layer.json (bench/store.py:
@@ -58,7 +58,7 @@ import mla_autograd  # noqa: E402
 from mla_autograd.nn import MultiHeadLatentAttention  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from common import device_kernels, kernel_split, stamp  # noqa: E402
+from common import device_kernels, kernel_kind, kernel_split, stamp  # noqa: E402
 from store import latest_rows, load, record, store_path  # noqa: E402
 
 try:
@@ -114,7 +114,8 @@ def step_memory(fn, device, before=None) -> dict:
     return {"peak_mib": peak / MIB, "peak_over_start_mib": (peak - start) / MIB}
 
 
-FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", "step_over_floor")
+FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", "step_over_floor", "other_top")
+OTHER_TOP = 12  # glue kernels listed in a floor row
 
 
 def step_floor(fn, device, step_ms: float) -> dict:
@@ -129,6 +130,9 @@ def step_floor(fn, device, step_ms: float) -> dict:
         torch.cuda.synchronize(device)
     kernels = device_kernels(prof)
     r = kernel_split(kernels)
+    # the glue's largest kernels, by name: where the step's time above its floor goes
+    r["other_top"] = [[name[:120], round(us, 1), round(n, 1)] for us, n, name in kernels
+                      if kernel_kind(name) == "other"][:OTHER_TOP]
     r["floor_ms"] = r["gemm_ms"] + r["attention_ms"]
     r["device_ms"] = sum(us for us, _, _ in kernels) / 1e3
     r["step_over_floor"] = step_ms / r["floor_ms"] if r["floor_ms"] > 0 else None
@@ -241,6 +245,8 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                         print(f"{'':44s} floor {floor['floor_ms']:.3f} ms (GEMM {floor['gemm_ms']:.3f} + attention "
                               f"{floor['attention_ms']:.3f}; other {floor['other_ms']:.3f}), "
                               f"step/floor {floor['step_over_floor']:.2f}")
+                        for name, us, n in floor["other_top"]:
+                            print(f"{'':48s} {us:8.1f} us x{n:<4g} {name[:90]}")
                 except Exception as e:  # noqa: BLE001
                     floor.update(failed(e))
                     print(f"{what:44s} floor FAILED {floor['error']}")
