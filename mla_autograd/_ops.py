@@ -22,7 +22,8 @@ from ._dispatch import Call, explain_call, select
 from .schedule import DecodeSchedule
 
 __all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
-           "mla_attention", "mla_call", "concat_mla_parts", "decode_call", "schedule_numel"]
+           "mla_attention", "mla_call", "adjacent_parts", "concat_mla_parts", "split_views", "decode_call",
+           "schedule_numel"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -159,6 +160,20 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
              max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _attn_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal, bottom_right, deterministic)
+
+
+def _attn_bwd_into(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                   max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool, deterministic: bool,
+                   dv_out: Optional[Tensor] = None, dk_over_k: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """attn_bwd's body. dv_out (v's shape and dtype, unit last stride, 16-byte aligned strides): where the SM90
+    backward kernel serves the call it writes dv there and returns dv_out itself; every other backend returns
+    a new dv (the caller copies it). dk_over_k: k is the caller's scratch, which the SM90 kernel may overwrite
+    with dk (dense batches: each CTA reads its K block once, at its start, and writes that block's dK at its
+    end, and no other CTA reads those rows; in a packed batch a block's tile reaches into the next sequence's
+    rows, and those are zeroed first). Eager callers only: the op's schema has neither."""
     varlen = cu_seqlens_q is not None
     if _empty_problem(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -174,9 +189,15 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # dout from autograd may be expanded (stride 0) or strided: kernels take a dense copy.
     dout = dout.contiguous()
     q, k, v, out = (_kernel_ready(t) for t in (q, k, v, out))
-    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if dk_over_k and d.family == "fmha_bwd_sm90" and not varlen and k.is_contiguous():
+        dk = k
+    else:
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if dv_out is not None and d.family == "fmha_bwd_sm90":  # the family that stores through dv's strides
+        dv = dv_out
+    else:
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     _build.load_family(d.family).bwd(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
                                      deterministic)
@@ -213,13 +234,18 @@ def _attn_fwd_setup_context(ctx, inputs, output) -> None:
 
 
 def _run_attn_bwd(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) by attn_bwd for a forward whose autograd context is ctx (ctx.args, ctx.call_site)."""
+                  cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                  dv_out: Optional[Tensor] = None, dk_over_k: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) by attn_bwd for a forward whose autograd context is ctx (ctx.args, ctx.call_site). dv_out,
+    dk_over_k: see _attn_bwd_into; the returned dv is dv_out only where a kernel wrote it there."""
     # create_graph=True runs this with grad enabled: the op then raises (no double backward)
-    bwd = _attn_bwd if eager_direct(dout, q, k, v) and not torch.is_grad_enabled() else attn_bwd
+    direct = eager_direct(dout, q, k, v) and not torch.is_grad_enabled()
     _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
     try:
-        return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
+        if direct:
+            return _attn_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, dv_out=dv_out,
+                                  dk_over_k=dk_over_k)
+        return attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
     finally:
         _dispatch.set_backward_site(None)
 
@@ -274,18 +300,56 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
 
 # ---- MLA's split query / key: mla_attn_fwd reads the parts in place where a kernel row serves it ----
 
+def adjacent_parts(*parts: Tensor) -> Optional[Tensor]:
+    """The tensor whose last dim the parts tile in order, as a view of their storage, when they lie side by side
+    in one storage as a split of it along the last dim would leave them (same dtype, device, leading shape and
+    strides, unit last stride, each starting where the one before ends, rows no narrower than the sum); else
+    None, and None for anything but plain eager tensors (a traced graph has no storage to compare). Metadata
+    only; never a view autograd records (callers use it with grad off or on grads)."""
+    if not eager_direct(*parts):
+        return None
+    first = parts[0]
+    if first.stride(-1) != 1 and first.shape[-1] > 1:
+        return None
+    width, offset = 0, first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    for t in parts:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[:-1] != first.shape[:-1]
+                or t.stride()[:-1] != first.stride()[:-1] or (t.stride(-1) != 1 and t.shape[-1] > 1)
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset + width):
+            return None
+        width += t.shape[-1]
+    if any(s < width for s, n in zip(first.stride()[:-1], first.shape[:-1]) if n > 1):
+        return None  # rows would overlap: not the parts of one tensor
+    return first.as_strided((*first.shape[:-1], width), (*first.stride()[:-1], 1), first.storage_offset())
+
+
 def concat_mla_parts(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
     """q (..., Hq, Dn + Dr) and k (..., Hkv, Dn + Dr) from the parts, for backends that take q and k whole.
 
-    k_pe with one head is expanded (a stride-0 view, no copy) to k_nope's Hkv heads before the one
-    concatenation that writes k, so the shared rope key is materialised only inside k. Differentiable: autograd
-    through cat and expand splits dq / dk back into the parts and sums a one-head k_pe's gradient over the
-    heads that shared it, as _split_mla_grads does.
+    Parts that already lie side by side (q_nope and q_pe as views of one roped query, see adjacent_parts) are
+    that tensor, no copy, where autograd does not record the call. k_pe with one head is expanded (a stride-0
+    view, no copy) to k_nope's Hkv heads before the one concatenation that writes k, so the shared rope key is
+    materialised only inside k. Differentiable: autograd through cat and expand splits dq / dk back into the
+    parts and sums a one-head k_pe's gradient over the heads that shared it, as _split_mla_grads does.
     """
-    q = torch.cat([q_nope, q_pe], dim=-1)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_pe, k_nope, k_pe))
+    q = None if recorded else adjacent_parts(q_nope, q_pe)
+    if q is None:
+        q = torch.cat([q_nope, q_pe], dim=-1)
     if k_pe.shape[-2] != k_nope.shape[-2]:
         k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
-    return q, torch.cat([k_nope, k_pe], dim=-1)
+    if recorded:
+        return q, torch.cat([k_nope, k_pe], dim=-1)
+    k = adjacent_parts(k_nope, k_pe)
+    if k is None:
+        # two copies into one new tensor, not torch.cat: cat's kernel for strided and stride-0 (expanded) inputs
+        # runs at about half the bandwidth of a copy at the layer's sizes
+        k = torch.empty((*k_nope.shape[:-1], k_nope.shape[-1] + k_pe.shape[-1]), dtype=k_nope.dtype,
+                        device=k_nope.device)
+        k[..., :k_nope.shape[-1]].copy_(k_nope)
+        k[..., k_nope.shape[-1]:].copy_(k_pe)
+    return q, k
 
 
 def _split_mla_grads(dq: Tensor, dk: Tensor, q_nope: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -340,8 +404,11 @@ def _(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, q_nope.new_empty(_lse_shape(q_nope, cu_seqlens_q is not None), dtype=_lse_dtype(q_nope))
 
 
-# Saved: the five parts (never the concatenated q / k), out and lse. The backward concatenates the parts once,
-# runs attn_bwd on them and splits its dq / dk back (_split_mla_grads).
+# Saved: the five parts (never the concatenated q / k), out and lse. The backward concatenates the parts once
+# (none that lie side by side already), runs attn_bwd on them and splits its dq / dk back (_split_mla_grads).
+# Where k_nope and v are two halves of one tensor (the layer's key/value projection), their gradients leave as
+# the two halves of one new tensor too, the SM90 kernel writing dv into it, so the projection's backward
+# finds its gradient whole (split_views) rather than concatenating the two.
 
 def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
     q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
@@ -355,8 +422,20 @@ def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
 def _mla_attn_fwd_backward(ctx, dout: Tensor, _dlse):
     q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
-    dq, dk, dv = _run_attn_bwd(ctx, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    return (*_split_mla_grads(dq, dk, q_nope, k_pe), dv, *(None,) * (len(ctx.args) + 2))
+    kv = adjacent_parts(k_nope, v) if eager_direct(dout, q, k, v) and not torch.is_grad_enabled() else None
+    dkv = None if kv is None else torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    dv_out = None if dkv is None else dkv[..., k_nope.shape[-1]:]
+    # k is a new tensor here unless k_nope and k_pe lay side by side: then the kernel may write dk over it
+    k_is_scratch = eager_direct(k, k_nope) and k.data_ptr() != k_nope.data_ptr()
+    dq, dk, dv = _run_attn_bwd(ctx, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dv_out=dv_out,
+                               dk_over_k=k_is_scratch)
+    dq_nope, dq_pe, dk_nope, dk_pe = _split_mla_grads(dq, dk, q_nope, k_pe)
+    if dkv is not None:
+        if dv.data_ptr() != dv_out.data_ptr():
+            dv_out.copy_(dv)
+        dk_nope = dkv[..., :k_nope.shape[-1]].copy_(dk_nope)
+        dv = dv_out
+    return (dq_nope, dq_pe, dk_nope, dk_pe, dv, *(None,) * (len(ctx.args) + 2))
 
 
 mla_attn_fwd.register_autograd(_mla_attn_fwd_backward, setup_context=_mla_attn_fwd_setup_context)
@@ -379,6 +458,34 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
     if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
         return _EagerMlaAttnFwd.apply(*args)
     return _mla_attn_fwd(*args)
+
+
+class _SplitViews(torch.autograd.Function):
+    """x.split(sizes, -1) whose backward hands on the parts' gradients as the one tensor they are views of when
+    they lie side by side as x's parts (adjacent_parts: a backward that wrote them into one buffer), and
+    concatenates them otherwise, as split's own backward does."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.shape = x.shape
+        return tuple(x.split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):  # a part nobody used comes as zeros (autograd materializes missing gradients)
+        whole = adjacent_parts(*grads)
+        if whole is not None and whole.shape == ctx.shape:
+            return whole, None
+        return torch.cat(grads, dim=-1), None
+
+
+def split_views(x: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
+    """x.split(sizes, dim=-1), views of x, for a tensor whose parts feed mla_attention: in eager mode the
+    backward returns the parts' gradients without concatenating them where mla_attention's backward left them
+    side by side (the query's nope / rope parts, a key/value projection's k_nope / v). Under torch.compile (and
+    for tensor subclasses, or when autograd does not record the call) a plain split, which the compiler fuses."""
+    if not eager_direct(x) or not (torch.is_grad_enabled() and x.requires_grad):
+        return tuple(x.split(sizes, dim=-1))
+    return _SplitViews.apply(x, list(sizes))
 
 
 def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,

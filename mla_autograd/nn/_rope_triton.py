@@ -18,30 +18,55 @@ import triton.language as tl
 
 __all__ = ["rotate"]
 
-#: Rotary pairs one program handles (rows of x times pairs per row): 2048 is 16 pairs a thread at 4 warps.
-_PAIRS_PER_PROGRAM = 2048
+#: Elements of x one program reads (rows of x times columns per row, rounded down to a power of two rows):
+#: 8192 is 64 elements, eight 16-byte vectors of bfloat16, a thread at 4 warps.
+_ELEMENTS_PER_PROGRAM = 8192
 #: Compile options of every launch. enable_fp_fusion=False keeps x1 * c - x2 * s as two multiplies and a
 #: subtraction, each rounded (no fused multiply-add): the torch path's rounding.
 LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 
 @triton.jit
-def _pair_members(p, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Where pair p's two members sit along the last dim: (2p, 2p + 1) interleaved, else (p, p + HALF)."""
+def _load_pairs(row, stride, row_ok, HALF: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Both members of the pairs of rows `row` ((R, 1) pointers; row_ok (R, 1) masks rows out) as float32
+    (R, BLOCK_P) blocks, pair p in column p. Interleaved pairs (2p, 2p + 1) are read as the row's 2 * BLOCK_P
+    elements in order, reshaped to (R, BLOCK_P, 2) and split, so that each thread reads 16-byte vectors (loads
+    of the two members at stride 2 would read every element on its own); the halves (p, p + HALF) of the other
+    layout are contiguous already."""
     if INTERLEAVED:
-        first = 2 * p
-        second = 2 * p + 1
+        e = tl.arange(0, 2 * BLOCK_P)
+        both = tl.load(row + e[None, :] * stride, mask=row_ok & (e[None, :] < 2 * HALF))
+        first, second = tl.split(tl.reshape(both.to(tl.float32), (both.shape[0], BLOCK_P, 2)))
     else:
-        first = p
-        second = p + HALF
+        p = tl.arange(0, BLOCK_P)
+        mask = row_ok & (p[None, :] < HALF)
+        first = tl.load(row + p[None, :] * stride, mask=mask).to(tl.float32)
+        second = tl.load(row + (p[None, :] + HALF) * stride, mask=mask).to(tl.float32)
     return first, second
+
+
+@triton.jit
+def _store_pairs(row, stride, row_ok, first, second, HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    """Write pairs (first, second) of rows `row` in _load_pairs' layouts, rounded to the output's dtype."""
+    ty = row.dtype.element_ty
+    if INTERLEAVED:
+        e = tl.arange(0, 2 * BLOCK_P)
+        both = tl.reshape(tl.join(first.to(ty), second.to(ty)), (first.shape[0], 2 * BLOCK_P))
+        tl.store(row + e[None, :] * stride, both, mask=row_ok & (e[None, :] < 2 * HALF))
+    else:
+        p = tl.arange(0, BLOCK_P)
+        mask = row_ok & (p[None, :] < HALF)
+        tl.store(row + p[None, :] * stride, first.to(ty), mask=mask)
+        tl.store(row + (p[None, :] + HALF) * stride, second.to(ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
                    sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2, so3,
                    HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                   X_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NEGATE_SIN: tl.constexpr):
+                   X_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NEGATE_SIN: tl.constexpr,
+                   KEEP: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program pid handles BLOCK_R consecutive indices of dim 2 at one (dim 0, dim 1) index. int64 offsets:
     # a (B, S, H, D) view of a wider projection spans more than 2**31 elements at large B * S.
     pid = tl.program_id(0).to(tl.int64)
@@ -52,12 +77,14 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
     p = tl.arange(0, BLOCK_P)  # pair index: pair p is rotated by angle p
     mask = (i2[:, None] < n2) & (p[None, :] < HALF)
 
-    x_first, x_second = _pair_members(p, HALF, X_INTERLEAVED)
-    out_first, out_second = _pair_members(p, HALF, OUT_INTERLEAVED)
-
+    row_ok = i2[:, None] < n2
     x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2[:, None] * sx2
-    x1 = tl.load(x_row + x_first[None, :] * sx3, mask=mask).to(tl.float32)
-    x2 = tl.load(x_row + x_second[None, :] * sx3, mask=mask).to(tl.float32)
+    out_row = out_ptr + i0 * so0 + i1 * so1 + i2[:, None] * so2
+    if KEEP > 0:  # the first KEEP columns pass through unchanged; the pairs follow them
+        k = tl.arange(0, BLOCK_K)
+        keep_mask = row_ok & (k[None, :] < KEEP)
+        tl.store(out_row + k[None, :] * so3, tl.load(x_row + k[None, :] * sx3, mask=keep_mask), mask=keep_mask)
+    x1, x2 = _load_pairs(x_row + KEEP * sx3, sx3, row_ok, HALF, BLOCK_P, X_INTERLEAVED)
     c = tl.load(cos_ptr + i0 * sc0 + i1 * sc1 + i2[:, None] * sc2 + p[None, :] * sc3, mask=mask)
     s = tl.load(sin_ptr + i0 * ss0 + i1 * ss1 + i2[:, None] * ss2 + p[None, :] * ss3, mask=mask)
     if NEGATE_SIN:
@@ -65,23 +92,23 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
     # the torch path's formula, term for term: x1 * c - x2 * s, x2 * c + x1 * s
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
-    out_row = out_ptr + i0 * so0 + i1 * so1 + i2[:, None] * so2
-    tl.store(out_row + out_first[None, :] * so3, y1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_row + out_second[None, :] * so3, y2.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_pairs(out_row + KEEP * so3, so3, row_ok, y1, y2, HALF, BLOCK_P, OUT_INTERLEAVED)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, *, x_interleaved: bool,
-           out_interleaved: bool, negate_sin: bool) -> torch.Tensor:
+           out_interleaved: bool, negate_sin: bool, keep: int = 0) -> torch.Tensor:
     """Write the rotation of x into out (one kernel launch) and return out.
 
     Args:
-        x: (A, B, C, D) bfloat16/float16/float32, any strides (a strided view of a projection's output is
-            read in place). D even; its D/2 pairs are (x[..., 2p], x[..., 2p+1]) when x_interleaved, else
-            (x[..., p], x[..., p + D/2]).
+        x: (A, B, C, keep + D) bfloat16/float16/float32, any strides (a strided view of a projection's output
+            is read in place). Its first `keep` columns are copied to out's unchanged; D even, and the D/2
+            pairs of the rest are (x[..., keep + 2p], x[..., keep + 2p + 1]) when x_interleaved, else
+            (x[..., keep + p], x[..., keep + p + D/2]).
         cos, sin: (A, B, C, D/2) float32, any strides (stride 0 along broadcast dims, e.g. the heads or the
             batch, costs no copy): pair p of row (a, b, c) turns by the angle whose cos/sin these hold.
-        out: (A, B, C, D), any float dtype and strides, not overlapping x; pair p goes to
-            (out[..., 2p], out[..., 2p+1]) when out_interleaved, else (out[..., p], out[..., p + D/2]).
+        out: (A, B, C, keep + D), any float dtype and strides, not overlapping x; pair p goes to
+            (out[..., keep + 2p], out[..., keep + 2p + 1]) when out_interleaved, else (out[..., keep + p],
+            out[..., keep + p + D/2]).
         negate_sin: rotate by the opposite angles (the transposed rotation, i.e. the backward).
 
     Each output is ``x1 * c - x2 * s`` / ``x2 * c + x1 * s`` in float32, every operation rounded on its own,
@@ -89,11 +116,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
     """
     A, B, C, D = x.shape
-    half = D // 2
+    half = (D - keep) // 2
     if out.numel() == 0:
         return out
     block_p = triton.next_power_of_2(half)
-    block_r = min(triton.next_power_of_2(C), max(1, _PAIRS_PER_PROGRAM // block_p))
+    width = 2 * block_p + (triton.next_power_of_2(keep) if keep else 0)
+    rows = max(1, _ELEMENTS_PER_PROGRAM // width)
+    block_r = min(triton.next_power_of_2(C), 1 << (rows.bit_length() - 1))  # a power of two, at most `rows`
     row_blocks = triton.cdiv(C, block_r)
     # the launch goes to the current CUDA device: make it x's
     guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
@@ -101,5 +130,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         _rotary_kernel[(A * B * row_blocks,)](
             x, cos, sin, out, B, C, row_blocks, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
             HALF=half, BLOCK_R=block_r, BLOCK_P=block_p, X_INTERLEAVED=x_interleaved,
-            OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, **LAUNCH_OPTIONS)
+            OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, KEEP=keep,
+            BLOCK_K=triton.next_power_of_2(keep) if keep else 1, **LAUNCH_OPTIONS)
     return out

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .._ops import split_views
 from .cache import MLACache, _to_device
 from .rope import RotaryEmbedding, mla_softmax_scale
 
@@ -180,16 +181,13 @@ class MultiHeadLatentAttention(nn.Module):
             dtype if dtype is not None else w.dtype)
 
     # ------------------------------------------------------------------ pieces
-    def _queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(self, h: torch.Tensor) -> torch.Tensor:
+        """The query projection (..., H, qk_nope + qk_rope), before RoPE."""
         if self.q_lora_rank is None:
             q = self.q_proj(h)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        q = q.view(*h.shape[:-1], self.num_heads, self.qk_head_dim)
-        # split, not two slices: the backward of a split is one concatenation, while each slice's backward
-        # zero-fills a tensor of the whole shape and the two are added (three extra passes over q's grad)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        return q_nope, q_pe
+        return q.view(*h.shape[:-1], self.num_heads, self.qk_head_dim)
 
     def _latents(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ckv = self.kv_a_proj_with_mqa(h)
@@ -200,7 +198,8 @@ class MultiHeadLatentAttention(nn.Module):
         """Latent (..., r) -> per-head k_nope (..., H, qk_nope) and V (..., H, Dv) (strided views of one
         projection)."""
         kv = self.kv_b_proj(c).view(*c.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # one backward concat (see _queries)
+        # split_views (see _project): mla_attention's backward leaves dk_nope and dv as the halves of one tensor
+        k_nope, v = split_views(kv, [self.qk_nope_head_dim, self.v_head_dim])
         return k_nope, v
 
     def _attend(self, q_nope, q_pe, c, k_pe, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -315,13 +314,16 @@ class MultiHeadLatentAttention(nn.Module):
     def _project(self, h, position_ids):
         """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h.
 
-        q_nope (..., H, qk_nope) is a view of the query projection; q_pe (..., H, qk_rope) and k_pe
-        (..., qk_rope) are new contiguous tensors that the rotary reads from strided views of the query and
-        latent projections (on CUDA one Triton launch each, see `apply_rotary`); c (..., kv_lora_rank)."""
-        q_nope, q_pe = self._queries(h)
+        q_nope (..., H, qk_nope) and q_pe (..., H, qk_rope) are the two parts of one new tensor: the query
+        projection with RoPE applied to its last qk_rope columns, the nope columns copied beside them, in one
+        pass (on CUDA one Triton launch, see `apply_rotary`'s keep). Their gradients come back from
+        mla_attention as the two parts of one tensor too (split_views), so neither direction concatenates the
+        query. k_pe (..., qk_rope) is the rotated slice of the latent projection, c (..., kv_lora_rank)."""
+        q = self._queries(h)
         c, k_pe = self._latents(h)
         cos, sin = self.rotary(position_ids)  # (..., d/2), broadcast over the batch when (S,)
-        q_pe = self.rotary.rotate(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q = self.rotary.rotate(q, cos.unsqueeze(-2), sin.unsqueeze(-2), keep=self.qk_nope_head_dim)
+        q_nope, q_pe = split_views(q, [self.qk_nope_head_dim, self.qk_rope_head_dim])
         k_pe = self.rotary.rotate(k_pe, cos, sin)
         return q_nope, q_pe, c, k_pe
 

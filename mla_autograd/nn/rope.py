@@ -108,9 +108,12 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: Mapping[str, Any] | None =
 
 
 def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_interleaved: bool,
-                  out_interleaved: bool, negate_sin: bool) -> torch.Tensor:
+                  out_interleaved: bool, negate_sin: bool, keep: int = 0) -> torch.Tensor:
     """The rotation as torch ops (differentiable through them): see `apply_rotary`, and `_rope_triton.rotate`
-    for x_interleaved / out_interleaved / negate_sin. Computed in float32 (float64 for float64 x)."""
+    for x_interleaved / out_interleaved / negate_sin / keep. Computed in float32 (float64 for float64 x)."""
+    kept = None
+    if keep:
+        kept, x = x.split([keep, x.shape[-1] - keep], dim=-1)
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(cd)
     # unbind / chunk rather than two slices: their backward is one stack / concatenation, where each
@@ -124,7 +127,7 @@ def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_inter
         s = -s
     y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
     y = torch.stack([y1, y2], dim=-1).flatten(-2) if out_interleaved else torch.cat([y1, y2], dim=-1)
-    return y.to(x.dtype)
+    return y.to(x.dtype) if kept is None else torch.cat([kept, y.to(x.dtype)], dim=-1)
 
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -135,19 +138,20 @@ _KERNEL_DEVICE_TYPES = ("cuda",)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: int = 0) -> bool:
     """The Triton kernel serves the call: x a non-empty CUDA tensor of rank 1 to 4 in bfloat16/float16/float32
-    with an even last dim, cos/sin float32 of one shape on x's device that broadcast against x without its
+    whose last dim less `keep` is even, cos/sin float32 of one shape on x's device that broadcast against x without its
     last dim (to x's own leading shape) and have D/2 as their last dim. Metadata only."""
     if not (_HAS_TRITON and x.device.type in _KERNEL_DEVICE_TYPES and x.dtype in _KERNEL_DTYPES):
         return False
     if not 1 <= x.dim() <= 4:
         return False
-    if x.numel() == 0 or x.shape[-1] % 2:
+    d = x.shape[-1] - keep
+    if x.numel() == 0 or d <= 0 or d % 2:
         return False
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.device != x.device or sin.device != x.device:
         return False
-    if cos.shape != sin.shape or cos.dim() < 1 or cos.shape[-1] != x.shape[-1] // 2 or cos.dim() > x.dim():
+    if cos.shape != sin.shape or cos.dim() < 1 or cos.shape[-1] != d // 2 or cos.dim() > x.dim():
         return False
     lead, clead = x.shape[:-1], cos.shape[:-1]
     # broadcastable to x's leading shape: every dim of cos (aligned on the right) is 1 or x's
@@ -155,13 +159,14 @@ def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
 
 
 def _rotary_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                 inverse: bool) -> torch.Tensor:
+                 inverse: bool, keep: int = 0) -> torch.Tensor:
     """Body of the mla_autograd::rotary op (no autograd here): the Triton kernel where `_kernel_takes`, else
     the same rotation as torch ops. inverse: the transposed rotation (x in the half-split layout, the result
-    in the pair layout `interleaved` names), which is the forward's backward."""
+    in the pair layout `interleaved` names), which is the forward's backward. keep: leading columns of x's
+    last dim copied unchanged (the rotation takes the rest)."""
     x_interleaved, out_interleaved = (False, interleaved) if inverse else (interleaved, False)
-    if not _kernel_takes(x, cos, sin):
-        return _rotate_torch(x, cos, sin, x_interleaved, out_interleaved, inverse)
+    if not _kernel_takes(x, cos, sin, keep):
+        return _rotate_torch(x, cos, sin, x_interleaved, out_interleaved, inverse, keep)
     from . import _rope_triton
     lead = (1,) * (4 - x.dim())
     shape4 = (*lead, *x.shape[:-1])
@@ -171,7 +176,7 @@ def _rotary_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     sin4 = sin.expand(*shape4, sin.shape[-1])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _rope_triton.rotate(x4, cos4, sin4, out.view(x4.shape), x_interleaved=x_interleaved,
-                        out_interleaved=out_interleaved, negate_sin=inverse)
+                        out_interleaved=out_interleaved, negate_sin=inverse, keep=keep)
     return out
 
 
@@ -182,20 +187,20 @@ rotary_op = torch.library.custom_op("mla_autograd::rotary", mutates_args=())(_ro
 
 
 @rotary_op.register_fake
-def _(x, cos, sin, interleaved, inverse):
+def _(x, cos, sin, interleaved, inverse, keep=0):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _rotary_setup_context(ctx, inputs, output) -> None:
-    _, cos, sin, interleaved, inverse = inputs
+    _, cos, sin, interleaved, inverse, keep = inputs
     ctx.save_for_backward(cos, sin)  # the tables only (D/2 floats per position), never activations
-    ctx.flags = (interleaved, inverse)
+    ctx.flags = (interleaved, inverse, keep)
 
 
 def _rotary_backward(ctx, dout: torch.Tensor):
     cos, sin = ctx.saved_tensors
-    interleaved, inverse = ctx.flags
-    return _rotary(dout, cos, sin, interleaved, not inverse), None, None, None, None
+    interleaved, inverse, keep = ctx.flags
+    return _rotary(dout, cos, sin, interleaved, not inverse, keep), None, None, None, None, None
 
 
 rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
@@ -206,26 +211,29 @@ class _EagerRotary(torch.autograd.Function):
     the custom-op dispatcher (as _ops does for attention)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, interleaved, inverse):
-        out = _rotary_impl(x, cos, sin, interleaved, inverse)
-        _rotary_setup_context(ctx, (x, cos, sin, interleaved, inverse), out)
+    def forward(ctx, x, cos, sin, interleaved, inverse, keep):
+        out = _rotary_impl(x, cos, sin, interleaved, inverse, keep)
+        _rotary_setup_context(ctx, (x, cos, sin, interleaved, inverse, keep), out)
         return out
 
     backward = staticmethod(_rotary_backward)
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool) -> torch.Tensor:
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool,
+            keep: int = 0) -> torch.Tensor:
     """rotary_op's result, differentiable in x: the op under torch.compile and for tensor subclasses; for plain
     eager tensors _EagerRotary where autograd records the call, else the op's body."""
     if not eager_direct(x, cos, sin):
-        return rotary_op(x, cos, sin, interleaved, inverse)
+        return rotary_op(x, cos, sin, interleaved, inverse, keep)
     if torch.is_grad_enabled() and x.requires_grad:
-        return _EagerRotary.apply(x, cos, sin, interleaved, inverse)
-    return _rotary_impl(x, cos, sin, interleaved, inverse)
+        return _EagerRotary.apply(x, cos, sin, interleaved, inverse, keep)
+    return _rotary_impl(x, cos, sin, interleaved, inverse, keep)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
-    """Rotate the last dim of x by the angles whose cosines and sines cos/sin hold.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,
+                 keep: int = 0) -> torch.Tensor:
+    """Rotate the last dim of x (after its first `keep` columns) by the angles whose cosines and sines cos/sin
+    hold.
 
     Args:
         x: (..., D) any float dtype, any strides (e.g. q_pe (B, S, H, D), a view of the query projection's
@@ -234,6 +242,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
         cos, sin: (..., D/2) float32 (as RotaryEmbedding returns them), broadcast against x without its last
             dim; pass them unsqueezed for a head dim (cos.unsqueeze(-2) for x (B, S, H, D)).
         interleaved: x's pair layout (above).
+        keep: this many leading columns of x's last dim are copied to the result unchanged and the rotation
+            takes the D columns after them: x (..., keep + D), e.g. the whole query head (..., 128 + 64) of
+            MLA, whose roped query then leaves in one tensor beside its nope part (no concatenation later).
 
     Returns:
         A new contiguous tensor of x's shape and dtype in the half-split layout (see the module docstring):
@@ -245,9 +256,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     gradient); it saves only cos/sin for the backward. Everything else (CPU, float64, other shapes) runs the
     rotation as torch ops, with gradients for cos/sin too where they require them.
     """
-    if _kernel_takes(x, cos, sin) and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
-        return _rotary(x, cos, sin, interleaved, False)
-    return _rotate_torch(x, cos, sin, interleaved, False, False)
+    if _kernel_takes(x, cos, sin, keep) and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
+        return _rotary(x, cos, sin, interleaved, False, keep)
+    return _rotate_torch(x, cos, sin, interleaved, False, False, keep)
 
 
 class RotaryEmbedding(nn.Module):
@@ -281,11 +292,11 @@ class RotaryEmbedding(nn.Module):
             return cos, sin
         return cos * self.attention_factor, sin * self.attention_factor
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`apply_rotary` with this embedding's pair layout: x (..., dim) any float dtype and strides, cos/sin
-        (..., dim/2) float32 from forward, broadcasting against x without its last dim -> a new contiguous
-        tensor of x's shape and dtype, half-split layout."""
-        return apply_rotary(x, cos, sin, interleaved=self.interleaved)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """`apply_rotary` with this embedding's pair layout: x (..., keep + dim) any float dtype and strides,
+        cos/sin (..., dim/2) float32 from forward, broadcasting against x without its last dim -> a new
+        contiguous tensor of x's shape and dtype, its first `keep` columns x's, the rest half-split."""
+        return apply_rotary(x, cos, sin, interleaved=self.interleaved, keep=keep)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, interleaved={self.interleaved}, attention_factor={self.attention_factor:g}"

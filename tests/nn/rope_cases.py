@@ -183,7 +183,8 @@ def check_layer_paths_agree(device, dtype, *, interleave: bool, packed: bool, de
             y.backward(dy)
         finally:
             rope_mod._KERNEL_DEVICE_TYPES, rope_mod._rotate_torch = kept, real
-        # the kernel serves all four rotations (q_pe and k_pe, forward and backward), or none
+        # the kernel serves all four rotations (the query, its nope columns kept, and k_pe; forward and backward),
+        # or none
         assert (not torch_calls) if kernel else len(torch_calls) == 2, torch_calls
         return [y.detach(), xi.grad] + [p.grad for p in m.parameters()]
 
@@ -216,7 +217,7 @@ def check_layer_compiles(device, dtype, backend, *, dims: dict = SMALL_LAYER, T:
         y = fn(xi)
         y.backward(dy)
         results.append([y.detach(), xi.grad] + [p.grad for p in m.parameters()])
-    assert len(graphs) == 1 and graphs[0].count("mla_autograd.rotary") == 2, graphs  # q_pe and k_pe
+    assert len(graphs) == 1 and graphs[0].count("mla_autograd.rotary") == 2, graphs  # the query and k_pe
     names = ["out", "d hidden_states"] + [f"d {n}" for n, _ in m.named_parameters()]
     for n, a, b in zip(names, *results):
         err = (a.double() - b.double()).abs().max().item()

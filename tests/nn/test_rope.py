@@ -121,11 +121,14 @@ def test_which_calls_the_kernel_takes(monkeypatch):
     assert not takes(x[None], c, c)                                 # rank 5
     assert not takes(x[:, :1], c, c)                                # cos would broadcast x's shape up
     assert not takes(x[:0], c, c)                                   # empty
+    assert takes(x, torch.randn(5, 1, 2), torch.randn(5, 1, 2), keep=4)  # 4 columns kept, 2 pairs rotated
+    assert not takes(x, c, c, keep=2) and not takes(x, torch.randn(5, 1, 1), torch.randn(5, 1, 1), keep=5)  # D - keep: 2 pairs; odd
+    assert not takes(x, c, c, keep=8)                               # nothing left to rotate
     monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ())
     assert not takes(x, c, c)
     monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ("cpu",))
     # the op's body would launch the kernel (outside the interpreter, not on CPU tensors): a stand-in
-    monkeypatch.setattr(rope_mod, "_rotary_impl", lambda x, cos, sin, interleaved, inverse: torch.zeros_like(x))
+    monkeypatch.setattr(rope_mod, "_rotary_impl", lambda x, cos, sin, interleaved, inverse, keep: torch.zeros_like(x))
     xr = x.clone().requires_grad_(True)
     assert type(apply_rotary(xr, c, c, interleaved=True).grad_fn).__name__ == "_EagerRotaryBackward"
     cr = c.clone().requires_grad_(True)
@@ -148,20 +151,29 @@ def test_triton_kernel_under_the_interpreter():
     assert "layer forward/backward" in r.stdout, r.stdout
 
 
+ROWS_PER_PROGRAM = 32  # what `rotate` picks for the layer's query: 8192 elements // (128 kept + 64), a power of 2
+
+
 def _compile_for_sm90(x_interleaved: bool, out_interleaved: bool, negate_sin: bool):
-    """The kernel compiled ahead of time for an H100/H200 (sm_90; no GPU needed) as `rotate` launches it on
-    bfloat16 q_pe (D = 64, unit last strides): Triton's compiled kernel, with .asm["ptx"] and .asm["cubin"]."""
+    """The kernel compiled ahead of time for an H100/H200 (sm_90; no GPU needed) as `rotate` launches it on the
+    layer's bfloat16 query (128 nope columns kept, D = 64 roped, unit last strides, 16-byte aligned rows):
+    Triton's compiled kernel, with .asm["ptx"] and .asm["cubin"]."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mla_autograd.nn import _rope_triton as K
     fn = K._rotary_kernel
-    consts = dict(HALF=32, BLOCK_R=64, BLOCK_P=32, X_INTERLEAVED=x_interleaved, OUT_INTERLEAVED=out_interleaved,
-                  NEGATE_SIN=negate_sin, sx3=1, sc3=1, ss3=1, so3=1)
+    consts = dict(HALF=32, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_P=32, X_INTERLEAVED=x_interleaved,
+                  OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, KEEP=128, BLOCK_K=128, sx3=1, sc3=1, ss3=1,
+                  so3=1)
     ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    # pointers and the row strides of x and out 16-byte aligned, as Triton specializes them at a launch
+    aligned = [(fn.arg_names.index(n),) for n in ("x_ptr", "out_ptr", "cos_ptr", "sin_ptr", "sx0", "sx1", "sx2", "so0",
+                                                  "so1", "so2")]
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
+                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(K.LAUNCH_OPTIONS))
 
 
@@ -175,7 +187,11 @@ def test_kernel_compiles_for_sm90_without_fused_multiply_adds(direction, tmp_pat
     k = _compile_for_sm90(*flags)
     ptx = k.asm["ptx"]
     assert "fma." not in ptx
-    assert ptx.count("mul.rn.f32") == 64 and "cvt.rn.bf16" in ptx  # 4 products x 16 pairs a thread
+    from mla_autograd.nn._rope_triton import LAUNCH_OPTIONS
+    pairs_per_thread = ROWS_PER_PROGRAM * 32 // (32 * LAUNCH_OPTIONS["num_warps"])
+    assert ptx.count("mul.rn.f32") == 4 * pairs_per_thread and "cvt.rn.bf16" in ptx  # 4 products a pair
+    # rows read and written as 16-byte vectors (the interleaved pairs too): what makes it run at memory speed
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
     nvdisasm = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if nvdisasm.exists():
         cubin = tmp_path / "rotary.cubin"

@@ -83,7 +83,9 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   check_tensor(dv, "dv", q, nd);
   MLA_CHECK(dq.is_contiguous(), "fmha_bwd_sm90: dq must be contiguous");
   MLA_CHECK(dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
-  MLA_CHECK(dv.is_contiguous(), "fmha_bwd_sm90: dv must be contiguous");
+  // dv may be a strided view (check_tensor's rules; the kernels store through its strides): mla_attention's
+  // backward writes it straight into the value half of the buffer that holds [dk_nope | dv] per head, the
+  // gradient of the projection that k_nope and v are views of.
   MLA_CHECK(lse.is_cuda() && lse.device() == q.device(), "fmha_bwd_sm90: lse must be on the device of q");
   MLA_CHECK(lse.scalar_type() == at::kFloat, "fmha_bwd_sm90: lse must be float32, got ", lse.scalar_type());
   MLA_CHECK(lse.dim() == nd - 1, "fmha_bwd_sm90: lse must have ", nd - 1, " dims");
