@@ -39,12 +39,21 @@ The run's metadata: {date, gpu, capability, torch, cuda, cudnn, commit, args, de
                                         default checks values (MLA_AUTOGRAD_CHECK_VALUES can turn them off)
   api_max_abs_diff_vs_kernel            public call's output against the extension's (0: the same kernel)
   sdpa_us, sdpa_GBps, sdpa_TFps         the SDPA baseline (or sdpa_error); max_abs_diff_vs_sdpa (Sq = 1)
+  flashmla_us, flashmla_call_us         with --flashmla, FlashMLA's SM90 dense decode on the same case (page 64):
+                                        its metadata made once and reused (as sched_us), and made in every call (as
+                                        kernel_us); ours_over_flashmla = flashmla_us / sched_us and
+                                        ours_call_over_flashmla = flashmla_call_us / kernel_us (speed ratios, > 1:
+                                        ours faster); flashmla_max_abs_diff against our output (or flashmla_error).
+                                        The two are timed alternately, --peer-rounds times each, medians kept.
 
     python bench/bench_decode.py [--quick] [--sweep] [--no-sdpa] [--no-api]
     python bench/bench_decode.py --out FILE.json   # this run alone to FILE.json (+ .png), not to the store
     python bench/bench_decode.py --replot [FILE]   # only redraw the PNG of the latest run (default: decode store)
     python bench/bench_decode.py --quick --no-sdpa --ab groups=0 --rounds 3
         # A/B in one process: each case with the automatic launch and with these launch options, alternating
+    python bench/bench_decode.py --no-sdpa --flashmla PATH/flashmla.py --case 128,4096,128 --case 64,8192,128,2
+        # beside FlashMLA, in the same process; PATH/flashmla.py: a binding of its SM90 dense decode with
+        # decode(q576, kcache, seqlens, block_table, scale, causal, meta=None, nsplit=None) -> (out, lse, meta, nsplit)
 """
 from __future__ import annotations
 
@@ -70,7 +79,8 @@ from store import latest_rows, load, record, store_path  # noqa: E402
 
 SCALE = 1.0 / math.sqrt(192.0)
 # LaunchOptions fields (csrc/sm80/mla_decode/mla_decode_sm80_api.cpp) and their types: int counts, bool switches
-OPTION_FIELDS = {"stages": int, "ctas_per_sm": int, "warp_specialized": bool, "groups": bool, "pdl": bool}
+OPTION_FIELDS = {"stages": int, "ctas_per_sm": int, "warp_specialized": bool, "groups": bool, "pdl": bool,
+                 "wgmma": bool}
 AUTO: dict = {}  # no options: decode()'s automatic launch
 
 
@@ -115,7 +125,8 @@ def make_case(B, S, H, Sq, page, dtype, seed=0):
     return buf, table, q_nope, q_pe, seqlens
 
 
-def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=AUTO, api=True):
+def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=AUTO, api=True, flashmla=None,
+             peer_rounds=3):
     buf, table, q_nope, q_pe, seqlens = make_case(B, S, H, Sq, page, dtype)
     ckv, kpe = buf[..., :512], buf[..., 512:]
     out = torch.empty(B, Sq, H, 512, dtype=dtype, device="cuda")
@@ -154,6 +165,8 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=
            "sched_graph_us": sgms * 1e3, "sched_graph_GBps": bytes_ / sgms / 1e6, "plan_graph_us": pgms * 1e3}
     if api and not options:
         row.update(time_public_call(q_nope, q_pe, ckv, kpe, table, seqlens, causal, out, ms, sms_))
+    if flashmla is not None and page == 64:
+        row.update(time_flashmla(flashmla, buf, table, q_nope, q_pe, seqlens, causal, out, fn, sched_fn, peer_rounds))
     if sdpa:
         try:
             dense = buf[table.long()].reshape(B, S, 576)  # gathered cache (not timed)
@@ -172,6 +185,45 @@ def run_case(ext, B, S, H, page, Sq=1, dtype=torch.bfloat16, sdpa=True, options=
     del buf
     torch.cuda.empty_cache()
     return row
+
+
+def time_flashmla(flashmla, buf, table, q_nope, q_pe, seqlens, causal, our_out, our_call, our_sched_call,
+                  rounds) -> dict:
+    """The flashmla_* columns of a case: FlashMLA's dense decode on the same cache, queries and lengths, timed in
+    alternation with ours (rounds x: ours then FlashMLA, or the reverse), plan reused and plan in every call."""
+    import statistics
+    try:
+        q576 = torch.cat([q_nope, q_pe], -1)
+        kcache = buf.view(buf.shape[0], 64, 1, 576)
+        f_out, _, meta, nsplit = flashmla.decode(q576, kcache, seqlens, table, SCALE, causal)
+        f_call = lambda: flashmla.decode(q576, kcache, seqlens, table, SCALE, causal)  # noqa: E731
+        f_sched = lambda: flashmla.decode(q576, kcache, seqlens, table, SCALE, causal, meta, nsplit)  # noqa: E731
+        our_call()
+        torch.cuda.synchronize()
+        diff = (f_out.float() - our_out.float()).abs().max().item()
+        t = {"ours": [], "ours_call": [], "flashmla": [], "flashmla_call": []}
+        for r in range(rounds):
+            order = [("ours", our_sched_call), ("ours_call", our_call), ("flashmla", f_sched), ("flashmla_call", f_call)]
+            for name, f in (order if r % 2 == 0 else order[::-1]):
+                t[name].append(bench_ms(f))
+        med = {k: statistics.median(v) for k, v in t.items()}
+        return {"flashmla_us": med["flashmla"] * 1e3, "flashmla_call_us": med["flashmla_call"] * 1e3,
+                "ours_alt_sched_us": med["ours"] * 1e3, "ours_alt_call_us": med["ours_call"] * 1e3,
+                "ours_over_flashmla": med["flashmla"] / med["ours"],
+                "ours_call_over_flashmla": med["flashmla_call"] / med["ours_call"],
+                "flashmla_max_abs_diff": diff}
+    except Exception as e:  # noqa: BLE001
+        return {"flashmla_error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def load_flashmla(path: str):
+    """The FlashMLA binding module at path (a .py file)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flashmla_peer", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def time_public_call(q_nope, q_pe, ckv, kpe, table, seqlens, causal, kernel_out, kernel_ms, sched_ms) -> dict:
@@ -215,12 +267,16 @@ def main(argv=None):
                     help="time these cases (bf16, page 64) instead of the default list; repeatable")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
+    ap.add_argument("--flashmla", default=None, metavar="PATH",
+                    help="time FlashMLA's SM90 dense decode beside ours on every page-64 case (see the docstring)")
+    ap.add_argument("--peer-rounds", type=int, default=3, help="with --flashmla: alternating rounds per case")
     args = ap.parse_args(argv)
     if args.replot is not None:
         src = Path(args.replot) if args.replot else store_path("decode", args.results)
         plot(latest_rows(load(src)), src.with_suffix(".png"))
         return
     ext = load_family("mla_decode_sm80")
+    flashmla = load_flashmla(args.flashmla) if args.flashmla else None
     cases = [
         dict(B=128, S=4096, H=16, page=64),
         dict(B=128, S=4096, H=128, page=64),
@@ -261,7 +317,8 @@ def main(argv=None):
         c.setdefault("sdpa", not args.no_sdpa)
         c.setdefault("api", not args.no_api)
         rnd = c.pop("round", None)
-        r = run_case(ext, **c)
+        peer = dict(flashmla=flashmla, peer_rounds=args.peer_rounds) if flashmla is not None else {}
+        r = run_case(ext, **c, **peer)
         if rnd is not None:
             r["round"] = rnd
         rows.append(r)
@@ -283,6 +340,17 @@ def main(argv=None):
               f"{r['kernel_us']:8.1f} {r['kernel_GBps']:7.0f} {r['kernel_TFps']:6.1f} | {r['graph_us']:8.1f} {r['graph_GBps']:7.0f} | "
               f"{r['sched_us']:8.1f} {r['sched_GBps']:7.0f} | {r['sched_graph_us']:8.1f} {r['sched_graph_GBps']:7.0f} "
               f"{r['plan_graph_us']:7.1f} | {a} | {s}")
+    if flashmla is not None:
+        print(f"\nbeside FlashMLA (alternating rounds, medians): sched = plan reused, call = plan in every call")
+        print(f"{'B':>4} {'S':>6} {'H':>4} {'Sq':>3} {'kernel':>22} | {'ours us':>8} {'FlashMLA':>8} {'ratio':>6} | "
+              f"{'ours call':>9} {'FlashMLA':>8} {'ratio':>6} | {'max diff':>8}")
+        for r in rows:
+            if "flashmla_us" in r:
+                print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3} {r['kernel']:>22} | {r['ours_alt_sched_us']:8.1f} "
+                      f"{r['flashmla_us']:8.1f} {r['ours_over_flashmla']:6.3f} | {r['ours_alt_call_us']:9.1f} "
+                      f"{r['flashmla_call_us']:8.1f} {r['ours_call_over_flashmla']:6.3f} | {r['flashmla_max_abs_diff']:8.2e}")
+            elif "flashmla_error" in r:
+                print(f"{r['B']:>4} {r['S']:>6} {r['H']:>4} {r['Sq']:>3}: {r['flashmla_error']}")
     meta.update({"device": dev, "option_fields": list(OPTION_FIELDS)})
     # A/B rows (each case twice per round, automatic and --ab options) have a store of their own
     out = record("decode-ab" if args.ab else "decode", meta, rows, out=args.out, results=args.results)

@@ -128,7 +128,7 @@ def _fingerprint(fam: Family, flags: tuple) -> str:
     h = hashlib.sha256()
     # The family's arch folder (csrc/sm90 for csrc/sm90/fmha_fwd), not its own folder alone: it holds the headers
     # that the arch's families share (csrc/sm90/sm90_attn_common.cuh).
-    roots = [csrc_dir() / Path(fam.subdir).parts[0], csrc_dir() / "common"]
+    roots = [csrc_dir() / Path(fam.subdir).parts[0], csrc_dir() / "common"] + [csrc_dir() / d for d in fam.shared_dirs]
     for root in roots:
         if not root.is_dir():
             continue

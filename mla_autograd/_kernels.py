@@ -91,6 +91,8 @@ class Family:
     dtypes: input dtypes it serves.
     mla_dims: for "mla_fwd" (MLA's split query and key read in place, no concatenation), the part head dims
         (Dn, Dr, Dv) it serves: q_nope / k_nope Dn, q_pe / k_pe Dr, v Dv.
+    shared_dirs: folders of csrc/ besides its own arch folder and csrc/common whose headers its sources include
+        (a change there rebuilds it).
     guards_values: its kernels are memory-safe for any values inside the length and page tensors
         (cu_seqlens, block_table, cache_seqlens): they clamp them on the device, so calls need no value check
         (and no host sync). For a family without it, the call checks the values first (one device reduction and
@@ -105,6 +107,7 @@ class Family:
     dtypes: frozenset
     guards_values: bool = True
     mla_dims: frozenset = frozenset()
+    shared_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         for t in self.targets:
@@ -169,7 +172,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # GPUs (10.x, 12.x). The PTX is compute_90, not compute_80, because the host enables programmatic
     # dependent launch on >= 9.0 and only code compiled for >= 9.0 contains the griddepcontrol.wait that
     # makes that safe.
-    Family("mla_decode_sm80", "sm80/mla_decode", ("sm_80", "sm_90", "compute_90"), ("decode",),
-           frozenset({(512, 64)}), _HALF),
+    # On 9.0 its 64-row tiles run the Hopper wgmma + TMA kernel (csrc/sm90/mla_decode, compiled into this
+    # module's sm_90a cubin; empty in the other images): hence sm_90a rather than sm_90, which loads on the
+    # same (and only) 9.x chips.
+    Family("mla_decode_sm80", "sm80/mla_decode", ("sm_80", "sm_90a", "compute_90"), ("decode",),
+           frozenset({(512, 64)}), _HALF, shared_dirs=("sm90",)),
 )}
 

@@ -21,7 +21,7 @@ def test_arch_flags_are_per_family():
     assert [f for f in nvcc90 if "gencode" in f] == ["-gencode=arch=compute_90a,code=sm_90a"]
     assert [f for f in nvcc100 if "gencode" in f] == ["-gencode=arch=compute_100f,code=sm_100f"]
     assert [f for f in nvcc80 if "gencode" in f] == ["-gencode=arch=compute_80,code=sm_80",
-                                                     "-gencode=arch=compute_90,code=sm_90",
+                                                     "-gencode=arch=compute_90a,code=sm_90a",
                                                      "-gencode=arch=compute_90,code=compute_90"]
     assert "-Xptxas=-v" in nvcc80 and "-Xptxas=-v" not in nvcc90
 
@@ -116,14 +116,14 @@ def test_image_check_reads_cuobjdump_listings(monkeypatch):
     """--check-images: a module lacking a target's cubin or PTX fails. cuobjdump names arch- and
     family-specific cubins by number (t.2.sm_90a.cubin, x.sm_100.cubin for sm_100f)."""
     import subprocess
-    listings = {"--list-elf": "ELF file    1: m.1.sm_80.cubin\nELF file    2: m.2.sm_90.cubin\n",
+    listings = {"--list-elf": "ELF file    1: m.1.sm_80.cubin\nELF file    2: m.2.sm_90a.cubin\n",
                 "--list-ptx": "PTX file    1: m.1.sm_90.ptx\n"}
 
     def fake_run(cmd, capture_output, text):
         return subprocess.CompletedProcess(cmd, 0, listings[cmd[1]], "")
     monkeypatch.setattr(build.subprocess, "run", fake_run)
     fam = _build.FAMILIES["mla_decode_sm80"]
-    assert build.module_images("m.so", "cuobjdump") == ({"sm_80", "sm_90"}, {"compute_90"})
+    assert build.module_images("m.so", "cuobjdump") == ({"sm_80", "sm_90a"}, {"compute_90"})
     assert build.missing_images(fam, "m.so", "cuobjdump") == []
     listings["--list-ptx"] = ""
     assert build.missing_images(fam, "m.so", "cuobjdump") == ["compute_90"]
@@ -142,7 +142,7 @@ def test_image_check_on_a_real_object(tmp_path):
     src = tmp_path / "k.cu"
     src.write_text("__global__ void k(float* x) { x[0] = 1.f; }\n")
     obj = tmp_path / "k.o"
-    fam = _build.FAMILIES["mla_decode_sm80"]
+    fam = _build.Family("k", "x", ("sm_80", "sm_90", "compute_90"), ("decode",), frozenset(), frozenset())
     subprocess.run(["nvcc", *fam.gencode_flags(), "-c", str(src), "-o", str(obj)], check=True, timeout=300)
     assert build.missing_images(fam, str(obj), tool) == []
     assert build.missing_images(_build.FAMILIES["fmha_fwd_sm90"], str(obj), tool) == ["sm_90a"]

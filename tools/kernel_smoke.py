@@ -93,7 +93,11 @@ def smoke_decode() -> bool:
     dev, ok = t.DEV, True
     for (lens, H, Sq, page, causal, splits) in [([64], 16, 1, 64, False, 0), ([17], 16, 1, 16, False, 0),
                                                 ([1000, 0, 5], 16, 1, 16, False, 0), ([1000, 3], 128, 1, 64, False, 0),
-                                                ([1000, 3], 16, 2, 1, True, 0), ([1000, 64], 16, 1, 64, False, 3)]:
+                                                ([1000, 3], 16, 2, 1, True, 0), ([1000, 64], 16, 1, 64, False, 3),
+                                                # 64-row tiles (on 9.0 the wgmma kernel): pages below, at and above
+                                                # its 32-row TMA boxes, padding rows, splits
+                                                ([64], 64, 1, 64, False, 0), ([4097, 65, 0], 128, 2, 16, True, 0),
+                                                ([33, 1000], 24, 3, 256, True, 0), ([1000, 64], 128, 1, 64, True, 3)]:
         torch.manual_seed(0)
         B = len(lens)
         ckv, kpe, table = t._paged_cache(lens, page, torch.bfloat16, True, 0)

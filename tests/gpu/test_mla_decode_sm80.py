@@ -243,6 +243,7 @@ LAUNCH_VARIANTS = {
     "narrow_2stages": dict(groups=False, stages=2),
     "no_pdl": dict(pdl=False),
     "sm80_like": dict(stages=2, groups=False, pdl=False),
+    "no_wgmma": dict(wgmma=False),
 }
 
 
@@ -293,18 +294,28 @@ def test_launch_options_rejected_before_anything_runs(ext):
     assert out.isnan().all() and lse.isnan().all(), "a rejected call wrote its outputs"
 
 
-@pytest.mark.parametrize("groups", [True, False], ids=["wide_groups", "narrow"])
+WIDE_KERNELS = {  # 64-row tiles: LaunchOptions keywords, launch_info's kernel name
+    "wgmma": (dict(), "wgmma_sm90"),
+    "wide_groups": (dict(wgmma=False), "all_warps_wide_groups"),
+    "narrow": (dict(groups=False), "all_warps_narrow"),
+}
+_HOPPER = torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("kernel", list(WIDE_KERNELS))
 @pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
                                                    (32, 4, True, 256), (128, 8, True, 64)])
-def test_decode_wide_tile(ext, groups, H, Sq, causal, page_size):
-    # 64-row tiles: the row-group kernel (automatic where it fits: 64 KV tokens per step, two 4-warp groups of 32
-    # rows that meet only at the KV stages' mbarriers) and the 32-token all-warps kernel (four QK warps), on the
-    # same cases: lengths that end mid-step (17, 1000, 4097: odd numbers of 32-token tiles, so the last 64-token
-    # step's second half lies past the end and is zero-filled), empty requests, padding rows (24 x 3 = 72 rows),
-    # and splits (4097 tokens over several CTAs)
-    options = dict(groups=groups)
+def test_decode_wide_tile(ext, kernel, H, Sq, causal, page_size):
+    # 64-row tiles: on 9.0 the wgmma + TMA kernel (automatic there), the row-group kernel (automatic where it fits
+    # otherwise: 64 KV tokens per step, two 4-warp groups of 32 rows that meet only at the KV stages' mbarriers)
+    # and the 32-token all-warps kernel (four QK warps), on the same cases: lengths that end mid-step (17, 1000,
+    # 4097: odd numbers of 32-token tiles, so the last 64-token step's second half lies past the end and is
+    # zero-filled), empty requests, padding rows (24 x 3 = 72 rows), and splits (4097 tokens over several CTAs).
+    # Page size 1 is below the wgmma kernel's TMA boxes: that call falls back to the row-group kernel.
+    options, want = WIDE_KERNELS[kernel]
+    if kernel == "wgmma" and not _HOPPER:
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     info = ext.launch_info(6, Sq, H, torch.cuda.current_device(), ext.LaunchOptions(**options))
-    want = "all_warps_wide_groups" if groups else "all_warps_narrow"
     assert info["m_tile"] == 64 and info["kernel"] == want, info
     for dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
         _run_case(ext, lens=[4097, 0, 17, 1000, 1, 64], H=H, Sq=Sq, page_size=page_size, dtype=dtype,
@@ -580,3 +591,50 @@ def test_decode_schedule_functional_api():
         seqlens += 1  # seqlens is a normal tensor (made outside inference_mode): its version counter moves
         with pytest.raises(ValueError, match="schedule is stale"):  # (the idle slot's 1 < Sq: values unchecked)
             M.decode(q_nope, q_pe, ckv, kpe, table, seqlens, softmax_scale=SCALE, check_values=False, schedule=s)
+
+
+WGMMA_LENS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 129, 1000, 4097]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the wgmma kernel runs on compute capability 9.0 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 256])
+@pytest.mark.parametrize("H,Sq", [(64, 1), (128, 1), (128, 2), (16, 5), (40, 2)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_decode_wgmma_pages_and_lengths(ext, dtype, page_size, H, Sq, causal):
+    # The TMA loader reads boxes of min(page, 32) rows; lengths at and around the 32-token split grain and the
+    # 64-token block, pages smaller and larger than a block, padding rows (16 x 5 = 80, 40 x 2 = 80 rows: a
+    # second m-block with 16 real rows), NaN in every unused page slot (the last page's tail is zeroed in smem)
+    fused = (page_size + H + Sq) % 2 == 0
+    lens = [WGMMA_LENS[i] for i in torch.randperm(len(WGMMA_LENS), generator=torch.Generator().manual_seed(page_size)).tolist()]
+    assert ext.launch_info(len(lens), Sq, H, torch.cuda.current_device())["kernel"] == "wgmma_sm90"
+    _run_case(ext, lens=lens, H=H, Sq=Sq, page_size=page_size, dtype=dtype, fused=fused, causal=causal,
+              seed=page_size * 31 + H + Sq)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the wgmma kernel runs on compute capability 9.0 only")
+@pytest.mark.parametrize("splits", [2, 3, 7, 40])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_decode_wgmma_forced_splits(ext, splits, page_size):
+    # split ranges start on 32-token boundaries, so a 64-token block of a split can straddle two pages (page 64) or
+    # start mid-page (256); every split but a request's last ends where the next begins, masked by the kernel
+    _run_case(ext, lens=[4097, 65, 0, 1000], H=128, Sq=1, page_size=page_size, dtype=torch.bfloat16, fused=True,
+              causal=True, splits=splits, seed=splits + page_size)
+    _run_case(ext, lens=[2049, 3], H=64, Sq=2, page_size=page_size, dtype=torch.float16, fused=False,
+              causal=False, splits=splits, seed=splits * 3 + page_size)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the wgmma kernel runs on compute capability 9.0 only")
+def test_decode_wgmma_matches_row_group_kernel(ext):
+    # the same call through the wgmma kernel and the row-group kernel: both within the tolerance of the float32
+    # reference (checked in _run_case), and close to each other
+    lens = [4097, 1000, 17, 0, 64]
+    ckv, kpe, table = _paged_cache(lens, 64, torch.bfloat16, True, 11)
+    q_nope, q_pe, seqlens, out, lse = _call_tensors(lens, 128, 1, torch.bfloat16)
+    out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    ext.decode(q_nope, q_pe, ckv, kpe, table, seqlens, out, lse, SCALE, True)
+    ext.decode_with_options(q_nope, q_pe, ckv, kpe, table, seqlens, out2, lse2, SCALE, True,
+                            ext.LaunchOptions(wgmma=False))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), out2.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse2, atol=1e-3, rtol=1e-3)

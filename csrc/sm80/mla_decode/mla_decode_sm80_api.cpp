@@ -20,6 +20,7 @@
 #include "sm80/mla_decode/mla_decode_sm80_config.h"
 #include "sm80/mla_decode/mla_decode_sm80_params.h"
 #include "sm80/mla_decode/mla_decode_sm80_stamps.h"
+#include "sm90/mla_decode/mla_decode_sm90_config.h"
 
 namespace mds = mla_decode_sm80;
 
@@ -42,6 +43,8 @@ struct LaunchOptions {
   bool groups = true;            // false: 64-row tiles run the all-warps kernel (as where the row-group kernel does
                                  // not fit: 8.0, 8.7)
   bool pdl = true;               // false: plain launches, no programmatic dependent launch (as on sm_80)
+  bool wgmma = true;             // false: 64-row tiles on 9.0 run the row-group kernel (as on 8.x, or for caches
+                                 // the TMA cannot read: page_size < 8, unaligned bases or strides)
 };
 
 const LaunchOptions kAutoLaunch{};
@@ -73,6 +76,8 @@ struct LaunchShape {
   int stages = 0;           // stages of the all-warps kernel (also the fallback of the warp-specialized one)
   bool groups = false;      // 64-row tiles: the row-group kernel (64 KV tokens per step, two decoupled 4-warp
                             // groups of 32 rows, mla_decode_groups_kernel), else the all-warps kernel
+  bool wgmma = false;       // 64-row tiles on 9.0: the Hopper wgmma + TMA kernel (csrc/sm90/mla_decode) where the
+                            // caches allow it (decode_impl), else the row-group kernel
   int ctas = 1;             // CTAs per SM counted by num_parts
   int num_parts = 1;        // target number of CTAs per m-block
   int min_tiles = 2;        // a split covers at least this many kBlockN-token tiles
@@ -109,6 +114,8 @@ LaunchShape launch_shape(int64_t B, int64_t Sq, int64_t H, const mla::DeviceInfo
     stages = std::min(stages, opt.stages);
   }
   ls.stages = stages;
+  ls.wgmma = ls.groups && opt.wgmma && prop.major == 9 && prop.minor == 0 &&
+             mla_decode_sm90::sm90_smem_bytes() <= dyn_optin;
   // 16/32-row tiles: the warp-specialized kernel (one CTA per SM, QK/softmax overlapped with PV) wherever
   // three of its stages fit (sm_80, sm_90; not the 99 KB of sm_86/89).
   const int ws_stages = m_tile <= 32 ? mds::ws_max_stages_for(m_tile, dyn_optin) : 0;
@@ -274,6 +281,14 @@ std::tuple<at::Tensor, at::Tensor> decode_impl(const at::Tensor& q_nope, const a
   p.log2_page = lg;
   p.num_mblocks = num_mblocks; p.stages = stages; p.ws = ws ? 1 : 0;
   p.groups = ls.groups ? 1 : 0;
+  // The wgmma kernel reads the caches by TMA: 16-byte aligned bases and strides, pages of at least 8 rows (a box of
+  // min(page, 32) rows per 64-column group).
+  auto tma_ok = [](const at::Tensor& t) {
+    return aligned16(t) && (t.stride(0) * 2) % 16 == 0 && (t.stride(1) * 2) % 16 == 0 &&
+           t.stride(0) < (int64_t(1) << 38) && t.stride(1) < (int64_t(1) << 38);
+  };
+  p.wgmma = ls.wgmma && page_size >= mla_decode_sm90::DecodeSm90Config::kMinPageSize && P >= 1 &&
+            tma_ok(ckv_cache) && tma_ok(kpe_cache) ? 1 : 0;
   // Programmatic dependent launch (sm_90+): main and merge kernels start while their predecessor finishes.
   p.pdl = (prop.major >= 9 && opt.pdl) ? 1 : 0;
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
@@ -401,20 +416,23 @@ int64_t schedule_numel(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64
 // Which main kernel a decode call of these shapes launches on `device` (with these options; default: the
 // automatic launch of decode()), with the launch shape (for tests and benchmarks). "warp_specialized" falls back
 // to "all_warps" at decode time when a cache stride exceeds 32 bits. 64-row tiles: "all_warps_wide_groups" (the
-// row-group kernel) or "all_warps_narrow" (the all-warps kernel with four QK warps).
+// row-group kernel) or "all_warps_narrow" (the all-warps kernel with four QK warps); on 9.0 "wgmma_sm90" (the Hopper
+// kernel, which falls back to the row-group kernel at decode time for caches TMA cannot read).
 py::dict launch_info(int64_t batch, int64_t seqlen_q, int64_t num_heads, int64_t device, const LaunchOptions& options) {
   MLA_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads >= 1, "launch_info: batch, seqlen_q and num_heads must be >= 1");
   check_options(options, "launch_info");
   const LaunchShape ls = launch_shape(batch, seqlen_q, num_heads, mla::device_info(int(device)), 0, options, "launch_info");
   const char* kernel = ls.ws ? "warp_specialized"
                      : ls.m_tile < 64 ? "all_warps"
+                     : ls.wgmma ? "wgmma_sm90"
                      : ls.groups ? "all_warps_wide_groups" : "all_warps_narrow";
   py::dict d;
   d["kernel"] = kernel;
   d["m_tile"] = ls.m_tile;
   d["num_mblocks"] = ls.num_mblocks;
   d["stages"] = ls.ws ? ls.ws_stages : ls.stages;
-  d["tokens_per_step"] = ls.groups ? mds::GroupsConfig::kBN : mds::kBlockN;
+  d["tokens_per_step"] = ls.wgmma ? mla_decode_sm90::DecodeSm90Config::kBlockN
+                        : ls.groups ? mds::GroupsConfig::kBN : mds::kBlockN;
   d["ctas_per_sm"] = ls.ctas;
   d["num_parts"] = ls.num_parts;
   return d;
@@ -438,20 +456,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LaunchOptions>(m, "LaunchOptions",
                             "launch options of decode_with_options / decode_schedule_with_options / launch_info "
                             "(tests, benchmarks); the defaults are decode()'s automatic launch")
-      .def(py::init([](int stages, int ctas_per_sm, bool warp_specialized, bool groups, bool pdl) {
-             return LaunchOptions{stages, ctas_per_sm, warp_specialized, groups, pdl};
+      .def(py::init([](int stages, int ctas_per_sm, bool warp_specialized, bool groups, bool pdl, bool wgmma) {
+             return LaunchOptions{stages, ctas_per_sm, warp_specialized, groups, pdl, wgmma};
            }),
            py::arg("stages") = 0, py::arg("ctas_per_sm") = 0, py::arg("warp_specialized") = true,
-           py::arg("groups") = true, py::arg("pdl") = true)
+           py::arg("groups") = true, py::arg("pdl") = true, py::arg("wgmma") = true)
       .def_readwrite("stages", &LaunchOptions::stages)
       .def_readwrite("ctas_per_sm", &LaunchOptions::ctas_per_sm)
       .def_readwrite("warp_specialized", &LaunchOptions::warp_specialized)
       .def_readwrite("groups", &LaunchOptions::groups)
       .def_readwrite("pdl", &LaunchOptions::pdl)
+      .def_readwrite("wgmma", &LaunchOptions::wgmma)
       .def("__repr__", [](const LaunchOptions& o) {
         return "LaunchOptions(stages=" + std::to_string(o.stages) + ", ctas_per_sm=" + std::to_string(o.ctas_per_sm) +
                ", warp_specialized=" + (o.warp_specialized ? "True" : "False") + ", groups=" +
-               (o.groups ? "True" : "False") + ", pdl=" + (o.pdl ? "True" : "False") + ")";
+               (o.groups ? "True" : "False") + ", pdl=" + (o.pdl ? "True" : "False") +
+               ", wgmma=" + (o.wgmma ? "True" : "False") + ")";
       });
   m.def("decode", &decode,
         "decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, cache_seqlens, out, lse, softmax_scale, causal, "

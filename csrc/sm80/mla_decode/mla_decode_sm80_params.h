@@ -50,6 +50,7 @@ struct DecodeParams {
   int stages;        // cp.async stages (run time, 2..kMaxStages)
   int ws;            // 1: the warp-specialized kernel (WsTileConfig; 16/32-row tiles, one CTA per SM)
   int groups;        // 1: 64-row tiles run the row-group kernel (GroupsConfig), 0: the all-warps one (TileConfig<64>)
+  int wgmma;         // 1: 64-row tiles run the Hopper wgmma + TMA kernel (csrc/sm90/mla_decode; sm_90a, 9.0 only)
   int pdl;           // 1: main and merge kernels launched as programmatic dependents (sm_90+; launch.h)
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
