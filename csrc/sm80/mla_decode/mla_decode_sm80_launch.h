@@ -32,11 +32,11 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Launch kernel(p) on `stream`, as a programmatic dependent of the previous kernel when p.pdl; returns the
+// Launch kernel(args) on `stream`, as a programmatic dependent of the previous kernel when pdl; returns the
 // launch's error (common/cuda_check.h).
-template <typename Kernel>
-inline cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
-                             const DecodeParams& p) {
+template <typename Kernel, typename Args>
+inline cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                                    const Args& args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
@@ -46,8 +46,15 @@ inline cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int s
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
+// kernel(p), a programmatic dependent when p.pdl.
+template <typename Kernel>
+inline cudaError_t launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                                    const DecodeParams& p) {
+  return launch_dependent(kernel, grid, threads, smem, stream, p.pdl != 0, p);
 }
 
 // Launch main kernel kKernel over the (m-block, item) grid with `smem` bytes of dynamic shared memory (every

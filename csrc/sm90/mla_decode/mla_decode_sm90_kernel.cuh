@@ -495,17 +495,8 @@ cudaError_t launch_decode_sm90(const mds::DecodeParams& p, cudaStream_t stream) 
                                 p.kpe_page_stride, args.box_rows, kBf16));
   constexpr auto kernel = mla_decode_sm90_kernel<TmaElem, Elem>;
   MLA_CUDA_TRY(mla::opt_in_dynamic_smem<kernel>(KT::kSmemBytes));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_mblocks, p.num_items);
-  cfg.blockDim = dim3(Cfg::kThreads);
-  cfg.dynamicSmemBytes = KT::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, args);
+  return mds::launch_dependent(kernel, dim3(p.num_mblocks, p.num_items), Cfg::kThreads, KT::kSmemBytes, stream,
+                               p.pdl != 0, args);
 }
 
 }  // namespace mla_decode_sm90
