@@ -15,6 +15,7 @@ struct DecodeSm90Config {
   static constexpr int kMaxBoxRows = 32;   // TMA box rows: splits start on 32-token boundaries, so a box of
                                            // min(page, 32) rows never crosses a page
   static constexpr int kMinPageSize = 8;   // smaller pages would take 64 / page boxes per column group per block
+  static constexpr float kRescaleLog2 = 8.f;  // a row's softmax reference moves by more than this or not at all
 };
 
 // Dynamic shared memory of the kernel (bytes), for the host's launch decision.

@@ -308,6 +308,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
       l_part[r] = 0.f;
     }
     const float c = p.scale_log2;
+    // Conditional rescale: a row's exponent reference moves only when its max grows by more than
+    // Cfg::kRescaleLog2 (in log2 units), so P <= 2^kRescaleLog2 and on most blocks no row moves and O is left alone
+    // (the LSE is taken from the reference: the same math).
+    const float move_threshold = Cfg::kRescaleLog2 / c;
     // The block's rows past the request's length (the end of its last page) are zeroed before any read.
     auto wait_tile = [&](int i) {
       TxBarrier::wait(&ss.full[i % kStages], uint32_t((i / kStages) & 1));
@@ -342,8 +346,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
         CUTE_UNROLL
         for (int j = 0; j < size<1>(S_rc); ++j) mx = fmaxf(mx, S_rc(r, j));
         mx = mla_sm90::quad_max(mx);
+        const bool moves = mx > m_run[r] + move_threshold;  // -inf + t = -inf: a first finite max moves it
+        if (!moves) mx = m_run[r];
         const float mc = mx == -INFINITY ? 0.f : mx * c;
-        alpha[r] = mla_sm90::fast_exp2(m_run[r] * c - mc);
+        alpha[r] = moves ? mla_sm90::fast_exp2(m_run[r] * c - mc) : 1.f;
         m_run[r] = mx;
         float s = 0.f;
         CUTE_UNROLL
@@ -368,11 +374,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
       }
       cutlass::arch::fence_view_async_shared();
       bar_arrive(kBarPFull, 256);
-      // ---- O[:, 0:256] *= alpha (PV(i - 1) has completed) ----
+      // ---- O[:, 0:256] *= alpha (PV(i - 1) has completed), skipped by a warp none of whose rows moved ----
+      bool moved = false;
       CUTE_UNROLL
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) moved |= alpha[r] != 1.f;
+      if (__any_sync(0xffffffffu, moved)) {
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
+        for (int r = 0; r < R; ++r)
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
+      }
     };
     auto issue_pv = [&](int i) {
       if (i % kStages == 0) mla_sm90::wg_gemm<true>(mma_pv, tOrP, tOrV0, tOrO, false);
@@ -439,11 +450,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
       TxBarrier::wait(&ss.full[stage], uint32_t((i / kStages) & 1));
       bar_sync(kBarPFull, 256);  // P(i), alpha(i), and the block's zeroed tail rows
       if (i > 0) {
+        float a[R];
+        bool moved = false;
         CUTE_UNROLL
         for (int r = 0; r < R; ++r) {
-          const float a = ss.alpha[get<0>(cO_rc(r, 0))];
+          a[r] = ss.alpha[get<0>(cO_rc(r, 0))];
+          moved |= a[r] != 1.f;
+        }
+        if (__any_sync(0xffffffffu, moved)) {
           CUTE_UNROLL
-          for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= a;
+          for (int r = 0; r < R; ++r)
+            CUTE_UNROLL
+            for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= a[r];
         }
       }
       if (stage == 0) mla_sm90::wg_gemm<false>(mma_pv, tOrPs, tOrV0, tOrO, false);
