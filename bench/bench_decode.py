@@ -359,7 +359,8 @@ def main(argv=None):
 
 
 def plot(rows, path):
-    """Cache-read GB/s and TF/s of the kernel beside the SDPA baseline, one bar pair per case."""
+    """Cache-read GB/s and TF/s of the kernel (its schedule made in the call) beside the SDPA baseline, and, for a run
+    with --flashmla, ours and FlashMLA's with the plan reused (timed alternately), one bar group per case."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -371,11 +372,22 @@ def plot(rows, path):
     for r in rows:  # the first (automatic-launch) row of each case
         cases.setdefault((r["B"], r["S"], r["H"], r["Sq"], r["page"], r["dtype"]), r)
     labels = [f"B{b} S{s}\nH{h} q{q} p{p}" for b, s, h, q, p, _ in cases]
+    peer = any("flashmla_us" in r for r in cases.values())
+
+    def rate(r, us_key, key):  # GB/s or TF/s of a time column of row r
+        us = r.get(us_key)
+        if not us:
+            return 0
+        work = r["B"] * r["S"] * 576 * 2 / 1e3 if key == "GBps" else 2.0 * r["B"] * r["Sq"] * r["H"] * r["S"] * 1088 / 1e6
+        return work / us
+
+    series = ([("ours_alt_sched_us", "mla_autograd (plan reused)"), ("flashmla_us", "FlashMLA (plan reused)")] if peer
+              else [("kernel_us", "mla_autograd"), ("sdpa_us", "SDPA, gathered cache")])
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(cases) * 2), 4.5))
     for ax, key, unit in ((axes[0], "GBps", "cache GB/s"), (axes[1], "TFps", "TFLOP/s")):
         xs = range(len(cases))
-        ax.bar([x - 0.2 for x in xs], [r[f"kernel_{key}"] for r in cases.values()], 0.4, label="mla_decode_sm80")
-        ax.bar([x + 0.2 for x in xs], [r.get(f"sdpa_{key}", 0) for r in cases.values()], 0.4, label="SDPA, gathered cache")
+        for k, (us_key, name) in enumerate(series):
+            ax.bar([x - 0.2 + 0.4 * k for x in xs], [rate(r, us_key, key) for r in cases.values()], 0.4, label=name)
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(unit)
