@@ -1,8 +1,8 @@
 """The one dispatch table: which backend serves which (arch, dtype, head dims, features).
 
 Rows are tried in order; the first whose conditions all hold serves the call. The pure-PyTorch
-reference is the last row of every op and accepts anything, except mla_fwd's (MLA's split query and key
-read in place), whose last row concatenates them and hands the call to attn_fwd's rows (HANDED_ON). What a kernel family serves (compute
+reference is the last row of every op and accepts anything, except mla_fwd's and mla_bwd's (MLA's split query and
+key read in place), whose last rows concatenate them and hand the call to attn_fwd's / attn_bwd's rows (HANDED_ON). What a kernel family serves (compute
 capabilities, dtypes, head dims) is read from the family registry (``_kernels.FAMILIES``); a row adds
 only the conditions specific to it. ``explain`` reports the chosen row and why every earlier row was
 passed over, so a user can see which path will run and why.
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import _build
-from ._kernels import FAMILIES
+from ._kernels import FAMILIES, MLA_OPS
 
 __all__ = ["Call", "Route", "Decision", "TABLE", "ROUTE_FIELDS", "select", "explain_call"]
 
@@ -38,12 +38,13 @@ ROUTE_FIELDS: dict[str, tuple[str, ...]] = {
     "attn_fwd": _EVERY_KERNEL_ROW + ("out_rows_over_int32",),
     "attn_bwd": _EVERY_KERNEL_ROW + ("deterministic", "causal", "bottom_right", "seqlens_equal"),
     "mla_fwd": _EVERY_KERNEL_ROW,
+    "mla_bwd": _EVERY_KERNEL_ROW,
     "decode": _EVERY_KERNEL_ROW + ("num_heads", "seqlen_q", "page_size"),
 }
 _ROUTE_GETTERS = {op: operator.attrgetter(*fields) for op, fields in ROUTE_FIELDS.items()}
-# Ops whose last row is no reference path but another op: a call no kernel row of "mla_fwd" serves is
-# concatenated and handed to attn_fwd's rows, which choose (and announce a fallback) for it.
-HANDED_ON: dict[str, str] = {"mla_fwd": "attn_fwd"}
+# Ops whose last row is no reference path but another op: a call no kernel row of "mla_fwd" ("mla_bwd") serves is
+# concatenated and handed to attn_fwd's (attn_bwd's) rows, which choose (and announce a fallback) for it.
+HANDED_ON: dict[str, str] = {"mla_fwd": "attn_fwd", "mla_bwd": "attn_bwd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,10 @@ class Call:
     read the fields ROUTE_FIELDS names for it; the others describe the call (varlen names the kind of call
     in the fallback warning)."""
 
-    op: str                       # "attn_fwd", "attn_bwd", "mla_fwd" or "decode"
+    op: str                       # "attn_fwd", "attn_bwd", "mla_fwd", "mla_bwd" or "decode"
     device: torch.device
     dtype: torch.dtype
-    dims: tuple[int, ...]         # (Dqk, Dv) for attention; (Dn, Dr, Dv) for mla_fwd; (Dc, Dr) for decode
+    dims: tuple[int, ...]         # (Dqk, Dv) for attention; (Dn, Dr, Dv) for mla_fwd / mla_bwd; (Dc, Dr) for decode
     causal: bool = False
     bottom_right: bool = True     # attention: the causal alignment
     varlen: bool = False
@@ -131,7 +132,7 @@ class Route:
         if call.dtype not in fam.dtypes:
             return f"dtype {str(call.dtype).replace('torch.', '')} (kernels take bfloat16/float16)"
         if call.dims not in fam.dims_for(call.op):
-            what = "part head dims (Dn, Dr, Dv)" if call.op == "mla_fwd" else "head dims"
+            what = "part head dims (Dn, Dr, Dv)" if call.op in MLA_OPS else "head dims"
             return f"{what} {call.dims} not in {sorted(fam.dims_for(call.op))}"
         if self.check is not None:
             why = self.check(call)
@@ -205,9 +206,15 @@ TABLE: tuple[Route, ...] = (
     Route("attn_bwd", "reference", None, note="pure PyTorch (explicit FlashAttention backward)"),
     Route("mla_fwd", "sm90", "fmha_fwd_sm90",
           note="the 192/128 forward reading q_nope/q_pe and k_nope/k_pe in place (two TMA descriptors per Q and "
-               "K tile); its backward concatenates the saved parts for attn_bwd"),
+               "K tile)"),
     Route("mla_fwd", "concat", None,
           note="q and k concatenated at the boundary; attn_fwd's rows choose the backend for (Dn + Dr, Dv)"),
+    Route("mla_bwd", "sm90", "fmha_bwd_sm90",
+          note="the 192/128 backward reading q_nope/q_pe and k_nope/k_pe in place and storing dK as dk_nope and dk_pe "
+               "(per kv head; a shared k_pe's summed over the heads)"),
+    Route("mla_bwd", "concat", None,
+          note="the saved parts concatenated for attn_bwd, whose rows choose the backend for (Dn + Dr, Dv); dq / dk "
+               "split back"),
     Route("decode", "sm80_decode", "mla_decode_sm80", _decode_check,
           note="mma.sync paged MLA decode; H * Sq <= 32: warp-specialized kernel (QK/softmax warps + PV warps, "
                "1 CTA/SM) where 3 of its stages fit in smem; 64-row tiles: the row-group kernel (64 KV tokens per "

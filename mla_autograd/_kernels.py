@@ -86,11 +86,11 @@ class Family:
         kernel and host layer. Headers shared by the families of one arch live in ``csrc/<arch>/`` above the family
         folders; headers shared by all in ``csrc/common/``.
     targets: nvcc code targets every build of this family compiles (see the module docstring).
-    ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "mla_fwd", "decode").
+    ops: the dispatch ops it serves ("attn_fwd", "attn_bwd", "mla_fwd", "mla_bwd", "decode").
     dims: head-dim pairs it serves: (Dqk, Dv) for attention, (Dc, Dr) for decode.
     dtypes: input dtypes it serves.
-    mla_dims: for "mla_fwd" (MLA's split query and key read in place, no concatenation), the part head dims
-        (Dn, Dr, Dv) it serves: q_nope / k_nope Dn, q_pe / k_pe Dr, v Dv.
+    mla_dims: for "mla_fwd" / "mla_bwd" (MLA's split query and key read in place, no concatenation), the part head
+        dims (Dn, Dr, Dv) it serves: q_nope / k_nope Dn, q_pe / k_pe Dr, v Dv.
     shared_dirs: folders of csrc/ besides its own arch folder and csrc/common whose headers its sources include
         (a change there rebuilds it).
     guards_values: its kernels are memory-safe for any values inside the length and page tensors
@@ -114,8 +114,8 @@ class Family:
             Target(t)  # validates the name
 
     def dims_for(self, op: str) -> frozenset:
-        """The head dims the family serves for a dispatch op: mla_dims for "mla_fwd", else dims."""
-        return self.mla_dims if op == "mla_fwd" else self.dims
+        """The head dims the family serves for a dispatch op: mla_dims for "mla_fwd" / "mla_bwd", else dims."""
+        return self.mla_dims if op in MLA_OPS else self.dims
 
     def target_objects(self) -> tuple[Target, ...]:
         return tuple(Target(t) for t in self.targets)
@@ -152,14 +152,18 @@ class Family:
 
 
 _HALF = frozenset({torch.bfloat16, torch.float16})
+# The ops on MLA's split query and key (dims (Dn, Dr, Dv)): the forward and the backward that read them in place.
+MLA_OPS = ("mla_fwd", "mla_bwd")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     # mla_fwd: the 192/128 kernel with its Q and K tiles filled from the parts by two TMA descriptors each
     # (fmha_fwd_sm90_hdim192_mla.cu).
     Family("fmha_fwd_sm90", "sm90/fmha_fwd", ("sm_90a",), ("attn_fwd", "mla_fwd"),
            frozenset({(192, 128), (128, 128), (64, 64)}), _HALF, mla_dims=frozenset({(128, 64, 128)})),
-    Family("fmha_bwd_sm90", "sm90/fmha_bwd", ("sm_90a",), ("attn_bwd",),
-           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF),
+    # mla_bwd: the 192/128 backward with its Q and K tiles filled from the parts and dK stored as dk_nope and dk_pe
+    # (fmha_bwd_sm90_hdim192_mla.cu).
+    Family("fmha_bwd_sm90", "sm90/fmha_bwd", ("sm_90a",), ("attn_bwd", "mla_bwd"),
+           frozenset({(192, 128), (128, 128), (64, 64)}), _HALF, mla_dims=frozenset({(128, 64, 128)})),
     # Family SASS: one cubin loads on B200/GB200 (10.0) and B300/GB300 (10.3). CUTLASS example 77's
     # kernels compile for sm_100a or sm_100f alike (both enable tcgen05/TMEM).
     # CUTLASS example 77's kernels read cu_seqlens as given; the host layer launches them with a copy sanitised

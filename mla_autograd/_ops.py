@@ -1,11 +1,11 @@
 """torch.library custom ops with fake (meta) implementations.
 
-``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_attn_fwd``,
+``mla_autograd::attn_fwd``, ``mla_autograd::attn_bwd``, ``mla_autograd::mla_attn_fwd``, ``mla_autograd::mla_attn_bwd``,
 ``mla_autograd::mla_decode`` and ``mla_autograd::mla_decode_schedule`` are opaque to torch.compile (no graph
 breaks): their fake implementations give output shapes, and at run time they allocate outputs, consult the
 dispatch table and call the chosen backend (a kernel family or the reference path). attn_fwd and mla_attn_fwd
-carry their autograd (backward: attn_bwd; see `attention` and `mla_attention`, the entries of the functional
-API). Inputs here are already validated by the functional API.
+carry their autograd (backward: attn_bwd and mla_attn_bwd; see `attention` and `mla_attention`, the entries of the
+functional API). Inputs here are already validated by the functional API.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
 from .schedule import DecodeSchedule
 
-__all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
+__all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_attn_bwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
            "mla_attention", "mla_call", "adjacent_parts", "concat_mla_parts", "split_views", "decode_call",
            "schedule_numel"]
 
@@ -71,9 +71,10 @@ def attention_call(op: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bo
                 out_rows_over_int32=rows_q * q.shape[-2] * v.shape[-1] > _INT32_MAX)
 
 
-def mla_call(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, v: Tensor) -> Call:
-    """The dispatch Call of an MLA-native forward (op "mla_fwd", dims (Dn, Dr, Dv)): metadata only."""
-    return Call(op="mla_fwd", device=q_nope.device, dtype=q_nope.dtype,
+def mla_call(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, v: Tensor, op: str = "mla_fwd") -> Call:
+    """The dispatch Call of an MLA-native forward or backward (op "mla_fwd" / "mla_bwd", dims (Dn, Dr, Dv)):
+    metadata only."""
+    return Call(op=op, device=q_nope.device, dtype=q_nope.dtype,
                 dims=(q_nope.shape[-1], q_pe.shape[-1], v.shape[-1]), num_heads=q_nope.shape[-2],
                 num_kv_heads=k_nope.shape[-2])
 
@@ -404,11 +405,84 @@ def _(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, q_nope.new_empty(_lse_shape(q_nope, cu_seqlens_q is not None), dtype=_lse_dtype(q_nope))
 
 
-# Saved: the five parts (never the concatenated q / k), out and lse. The backward concatenates the parts once
-# (none that lie side by side already), runs attn_bwd on them and splits its dq / dk back (_split_mla_grads).
-# Where k_nope and v are two halves of one tensor (the layer's key/value projection), their gradients leave as
-# the two halves of one new tensor too, the SM90 kernel writing dv into it, so the projection's backward
-# finds its gradient whole (split_views) rather than concatenating the two.
+# ---- the MLA-native backward: mla_attn_bwd reads the saved parts in place where a kernel row serves it ----
+
+def _mla_attn_bwd_into(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool, deterministic: bool,
+                       dkv: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """mla_attn_bwd's body: (dq, dk_nope, dk_pe, dv) of mla_attn_fwd for the parts it saved, dq whole
+    (..., Hq, Dn + Dr) (dq_nope and dq_pe are its two views), dk_pe of k_pe's shape (a one-head k_pe's gradient
+    summed over the kv heads that shared it).
+
+    Where the table's mla_bwd rows pick a kernel it reads the parts in place and writes dk as dk_nope and dk_pe;
+    anywhere else the parts are concatenated (concat_mla_parts) for attn_bwd's body and dk split back
+    (_split_mla_grads). dkv (eager callers only: the op's schema has none): a (..., Hkv, Dn + Dv) buffer where
+    k_nope and v lie side by side as its two halves (adjacent_parts, the layer's key/value projection): dk_nope
+    and dv are then written into its halves and returned as those views, so the projection's backward finds its
+    gradient whole."""
+    dn = q_nope.shape[-1]
+    dk_out = None if dkv is None else dkv[..., :dn]
+    dv_out = None if dkv is None else dkv[..., dn:]
+    d = None if _empty_problem(q_nope, k_nope) else select(mla_call(q_nope, q_pe, k_nope, v, op="mla_bwd"))
+    if d is not None and d.family is not None:
+        _check_values_before_kernel(d.family, q_nope, k_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    deterministic)
+        dout = dout.contiguous()  # from autograd it may be expanded (stride 0) or strided
+        q_nope, q_pe, k_nope, k_pe, v, out = (_kernel_ready(t) for t in (q_nope, q_pe, k_nope, k_pe, v, out))
+        dq = torch.empty((*q_nope.shape[:-1], dn + q_pe.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)
+        dk_nope = torch.empty_like(k_nope, memory_format=torch.contiguous_format) if dk_out is None else dk_out
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv_out is None else dv_out
+        # per kv head: the kernel writes each head's rope-key gradient, the heads that share k_pe are summed below
+        dk_pe = torch.empty((*k_nope.shape[:-1], k_pe.shape[-1]), dtype=k_pe.dtype, device=k_pe.device)
+        _build.load_family(d.family).bwd_mla(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse.contiguous(), dq, dk_nope,
+                                             dk_pe, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             softmax_scale, causal, bottom_right, deterministic)
+        if k_pe.shape[-2] != k_nope.shape[-2]:
+            dk_pe = dk_pe.sum(-2, keepdim=True)
+        return dq, dk_nope, dk_pe, dv
+    q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
+    # k is a new tensor here unless k_nope and k_pe lay side by side: then the kernel may write dk over it
+    k_is_scratch = eager_direct(k, k_nope) and k.data_ptr() != k_nope.data_ptr()
+    dq, dk, dv = _attn_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, bottom_right, deterministic, dv_out=dv_out,
+                                dk_over_k=k_is_scratch)
+    _, _, dk_nope, dk_pe = _split_mla_grads(dq, dk, q_nope, k_pe)
+    if dkv is not None:
+        if dv.data_ptr() != dv_out.data_ptr():
+            dv_out.copy_(dv)
+        return dq, dk_out.copy_(dk_nope), dk_pe, dv_out
+    return dq, dk_nope, dk_pe, dv
+
+
+def _mla_attn_bwd(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, out: Tensor,
+                  lse: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                  max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
+                  deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # an op's outputs may alias neither its inputs nor each other: the concatenated path's views of one dk are copied
+    dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q,
+                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                                bottom_right, deterministic)
+    return dq, dk_nope.contiguous(), dk_pe.contiguous(), dv
+
+
+mla_attn_bwd = torch.library.custom_op("mla_autograd::mla_attn_bwd", mutates_args=())(_mla_attn_bwd)
+
+
+@mla_attn_bwd.register_fake
+def _(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, bottom_right, deterministic):
+    dq = q_nope.new_empty(*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1])
+    return dq, torch.empty_like(k_nope), torch.empty_like(k_pe), torch.empty_like(v)
+
+
+mla_attn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# Saved: the five parts (never the concatenated q / k), out and lse; the backward is mla_attn_bwd on them. Where
+# k_nope and v are two halves of one tensor (the layer's key/value projection), their gradients leave as the two
+# halves of one new tensor too (eager: _mla_attn_bwd_into's dkv), so the projection's backward finds its gradient
+# whole (split_views) rather than concatenating the two; dq_nope and dq_pe are the two views of one dq likewise.
 
 def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
     q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
@@ -421,21 +495,21 @@ def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
 
 def _mla_attn_fwd_backward(ctx, dout: Tensor, _dlse):
     q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
-    kv = adjacent_parts(k_nope, v) if eager_direct(dout, q, k, v) and not torch.is_grad_enabled() else None
-    dkv = None if kv is None else torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    dv_out = None if dkv is None else dkv[..., k_nope.shape[-1]:]
-    # k is a new tensor here unless k_nope and k_pe lay side by side: then the kernel may write dk over it
-    k_is_scratch = eager_direct(k, k_nope) and k.data_ptr() != k_nope.data_ptr()
-    dq, dk, dv = _run_attn_bwd(ctx, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dv_out=dv_out,
-                               dk_over_k=k_is_scratch)
-    dq_nope, dq_pe, dk_nope, dk_pe = _split_mla_grads(dq, dk, q_nope, k_pe)
-    if dkv is not None:
-        if dv.data_ptr() != dv_out.data_ptr():
-            dv_out.copy_(dv)
-        dk_nope = dkv[..., :k_nope.shape[-1]].copy_(dk_nope)
-        dv = dv_out
-    return (dq_nope, dq_pe, dk_nope, dk_pe, dv, *(None,) * (len(ctx.args) + 2))
+    saved = (q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
+    direct = eager_direct(dout, q_nope, q_pe, k_nope, k_pe, v) and not torch.is_grad_enabled()
+    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
+    try:
+        if direct:
+            kv = adjacent_parts(k_nope, v)
+            dkv = None if kv is None else torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+            dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, *saved, *ctx.args, dkv=dkv)
+        else:
+            dq, dk_nope, dk_pe, dv = mla_attn_bwd(dout, *saved, *ctx.args)
+    finally:
+        _dispatch.set_backward_site(None)
+    dn = q_nope.shape[-1]
+    return (dq[..., :dn], dq[..., dn:], dk_nope, dk_pe, dv, *(None,) * (len(ctx.args) + 2))
 
 
 mla_attn_fwd.register_autograd(_mla_attn_fwd_backward, setup_context=_mla_attn_fwd_setup_context)

@@ -103,7 +103,8 @@ MLA_PATH_NATIVE = "native"
 MLA_PATH_CONCAT = "concat"
 MLA_PATH_REASONS = {
     MLA_PATH_NATIVE: ("the forward kernel reads q_nope/q_pe and k_nope/k_pe in place (no concatenated q or k); "
-                      "the backward concatenates the saved parts once for attn_bwd"),
+                      "so does the backward where the dispatch table's mla_bwd rows pick a kernel (see .backward), "
+                      "else it concatenates the saved parts once for attn_bwd"),
     MLA_PATH_CONCAT: ("q = [q_nope, q_pe] and k = [k_nope, k_pe expanded to Hkv heads] are built at the boundary "
                       "(one copy of each)"),
 }
@@ -298,7 +299,7 @@ class Explanation:
         self.decisions = decisions
 
     def __getattr__(self, name):
-        ops = {"forward": ("attn_fwd", "mla_fwd"), "backward": ("attn_bwd",)}.get(name, (name,))
+        ops = {"forward": ("attn_fwd", "mla_fwd"), "backward": ("attn_bwd", "mla_bwd")}.get(name, (name,))
         for d in self.decisions:
             if d.op in ops:
                 return d
@@ -341,7 +342,8 @@ class MLAExplanation(Explanation):
     """explain_mla's answer: ``path`` (how the parts reach a backend: "native" or "concat") and ``path_reason``,
     ``native`` (the decision of the dispatch table's mla_fwd rows: the kernel that reads the parts in place, or
     why none does), then the forward and backward decisions (``forward``: mla_fwd's on the native path, attn_fwd's
-    for the concatenated head dims otherwise; ``backward``: attn_bwd's for the concatenated head dims)."""
+    for the concatenated head dims otherwise; ``backward``: mla_bwd's where a kernel row of it serves the call,
+    attn_bwd's for the concatenated head dims otherwise)."""
 
     def __init__(self, path: str, path_reason: str, native, *decisions):
         super().__init__(*decisions)
@@ -363,7 +365,8 @@ def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: T
     """Say how `mla_attention` / `mla_attention_varlen` would run for these tensors: the path of the parts
     (``.path``: "native" where a kernel reads them in place, else "concat"), the backend of the forward
     (``.forward.backend``: the in-place kernel's, or attn_fwd's for the concatenated head dims (Dn + Dr, Dv)) and
-    of the backward (``.backward.backend``, always for (Dn + Dr, Dv)). Keywords as in `explain`. Reads only
+    of the backward (``.backward``: the decision of the mla_bwd rows where one of their kernels reads the parts in
+    place, else attn_bwd's for (Dn + Dr, Dv)). Keywords as in `explain`. Reads only
     metadata; the five tensors are checked as the call checks them, so a call that would raise raises the
     same error here."""
     V.check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, bool(varlen) or cu_seqlens_q is not None)
@@ -371,8 +374,10 @@ def explain_mla(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: T
     kw = dict(causal=bool(causal), bottom_right=V.causal_bottom_right(causal_align), cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, varlen=bool(varlen) or cu_seqlens_q is not None)
     native = explain_call(_ops.mla_call(q_nope, q_pe, k_nope, v))
-    bwd = explain_call(dataclasses.replace(
-        attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw), dims=dims))
+    bwd = explain_call(_ops.mla_call(q_nope, q_pe, k_nope, v, op="mla_bwd"))
+    if bwd.family is None:
+        bwd = explain_call(dataclasses.replace(
+            attention_call("attn_bwd", q_nope, k_nope, v, deterministic=bool(deterministic), **kw), dims=dims))
     if native.family is not None:
         return MLAExplanation(MLA_PATH_NATIVE, MLA_PATH_REASONS[MLA_PATH_NATIVE], native, native, bwd)
     fwd = explain_call(dataclasses.replace(attention_call("attn_fwd", q_nope, k_nope, v, **kw), dims=dims))

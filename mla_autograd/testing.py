@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["naive_attention", "assert_error_within", "random_paged_cache", "dense_mask", "BadVarlenCase",
+__all__ = ["naive_attention", "assert_error_within", "assert_bitwise", "random_paged_cache", "dense_mask", "BadVarlenCase",
            "BAD_VARLEN_ROWS", "BAD_VARLEN_CASES", "varlen_expected", "bad_decode_case"]
 
 
@@ -71,6 +71,22 @@ def assert_error_within(actual, reference, baseline, *, factor: float = 2.0, eps
     base = (baseline.double()[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
     if not err <= factor * base + eps:
         raise AssertionError(f"{name}: max error {err:.3e} > {factor} x baseline error {base:.3e} + {eps:g}")
+
+
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                   torch.float64: torch.int64}
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """actual and expected have the same dtype, shape and bits (NaN payloads and signed zeros included); the
+    message counts the elements that differ and the largest difference."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+        f"{what}: {actual.dtype} {tuple(actual.shape)} vs {expected.dtype} {tuple(expected.shape)}"
+    as_int = _SAME_WIDTH_INT[actual.dtype]
+    a, e = actual.contiguous().view(as_int), expected.contiguous().view(as_int)
+    bad = int((a != e).sum())
+    worst = (actual.double() - expected.double()).abs().max().item() if bad else 0.0
+    assert bad == 0, f"{what}: {bad} of {a.numel()} elements differ in their bits (max |diff| {worst:g})"
 
 
 def random_paged_cache(cache_seqlens, *, page_size: int, dim_ckv: int = 512, dim_kpe: int = 64,

@@ -285,11 +285,13 @@ def test_opcheck_mla_attn_fwd():
 # ---------------------------------------------------------------- the native path's wiring (stand-in kernel module)
 
 class _StandInSm90:
-    """The fmha_fwd_sm90 / fmha_bwd_sm90 modules' entries as the float32 reference on CPU: fwd_mla records what it
-    is given and computes fwd on the concatenation, so native and concatenated calls agree bit for bit here too."""
+    """The fmha_fwd_sm90 / fmha_bwd_sm90 modules' entries as the float32 reference on CPU: fwd_mla and bwd_mla record
+    what they are given and compute fwd / bwd on the concatenation (bwd_mla writing dk as its two parts, dk_pe per kv
+    head), so native and concatenated calls agree bit for bit here too."""
 
     def __init__(self):
         self.mla_calls = []
+        self.mla_bwd_calls = []
 
     def fwd(self, q, k, v, out, lse, cu_q, cu_k, msq, msk, scale, causal, br):
         o, l = reference.attention_forward(q.float(), k.float(), v.float(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -308,6 +310,14 @@ class _StandInSm90:
                                              max_seqlen_k=msk, softmax_scale=scale, causal=causal, bottom_right=br)
         for dst, g in zip((dq, dk, dv), grads):
             dst.copy_(g)
+
+    def bwd_mla(self, dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, dq, dk_nope, dk_pe, dv, *args):
+        self.mla_bwd_calls.append((q_nope, q_pe, k_nope, k_pe, v, dk_nope, dv))
+        q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
+        dk = torch.empty_like(k)
+        self.bwd(dout, q, k, v, out, lse, dq, dk, dv, *args)
+        dk_nope.copy_(dk[..., :k_nope.shape[-1]])
+        dk_pe.copy_(dk[..., k_nope.shape[-1]:])
 
 
 @pytest.fixture
@@ -348,6 +358,14 @@ def test_native_path_reads_aligned_views_in_place(standin_sm90):
     g, gr = _grads(out, bases, dout), _grads(ref, bases, dout)
     for a, b in zip(g, gr):
         assert torch.equal(a, b)
+    # the backward read the same parts in place (the shared rope key not expanded) and wrote dk_nope and dv into
+    # the two halves of one buffer, the key/value projection's gradient
+    (bwd_given,) = standin_sm90.mla_bwd_calls
+    for name, a, b in zip(("q_nope", "q_pe", "k_nope", "k_pe", "v"), bwd_given, parts):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), name
+    dk_nope, dv = bwd_given[5:]
+    assert dv.data_ptr() == dk_nope.data_ptr() + 128 * dk_nope.element_size() and dk_nope.stride() == dv.stride()
+    assert M.explain_mla(*parts).backward.op == "mla_bwd"
 
 
 def test_native_path_copies_a_misaligned_part_alone(standin_sm90):
@@ -393,7 +411,8 @@ def test_explain_mla_cpu():
 @pytest.mark.parametrize("dims,expect", [((128, 64, 128), "sm90"), ((64, 64, 128), "sm90"),
                                          ((96, 32, 64), "reference")])
 def test_explain_mla_routes_concatenated_dims(monkeypatch, dims, expect):
-    """The table is asked for (Dn + Dr, Dv): 128 + 64 -> (192, 128), 64 + 64 -> (128, 128) are kernel dims."""
+    """The parts at (128, 64, 128) run in place forward and backward (mla_fwd / mla_bwd rows); anything else is
+    asked for as (Dn + Dr, Dv): 64 + 64 -> (128, 128) is kernel dims."""
     monkeypatch.setattr(Call, "capability", property(lambda self: (9, 0)))
     monkeypatch.setattr(_build, "family_available", lambda name: (True, ""))
     dn, dr, dv = dims
@@ -404,7 +423,8 @@ def test_explain_mla_routes_concatenated_dims(monkeypatch, dims, expect):
     assert e.forward.backend == expect and e.backward.backend == expect, str(e)
     native = dims == (128, 64, 128)
     assert e.path == ("native" if native else "concat"), str(e)
-    assert e.forward.op == ("mla_fwd" if native else "attn_fwd") and e.backward.op == "attn_bwd"
+    assert e.forward.op == ("mla_fwd" if native else "attn_fwd")
+    assert e.backward.op == ("mla_bwd" if native else "attn_bwd")
     assert str(e).startswith(f"mla inputs: {e.path}")
     if not native:
         assert f"part head dims (Dn, Dr, Dv) {dims} not in [(128, 64, 128)]" in str(e)

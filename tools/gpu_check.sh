@@ -91,7 +91,8 @@ if [ "$MODE" != "--bench-only" ]; then
   say "== GPU tests"; t=$(date +%s)
   # most informative first; each file gets its own process so one crash cannot hide the rest
   for f in ${GPU_TEST_FILES:-tests/gpu/test_api_gpu.py tests/gpu/test_fmha_bwd_sm90.py tests/gpu/test_mla_decode_sm80.py \
-           tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_sm100.py}; do
+           tests/nn/test_mla_gpu.py tests/gpu/test_fmha_fwd_sm90.py tests/gpu/test_fmha_bwd_sm90_mla.py \
+           tests/gpu/test_fmha_fwd_sm90_mla.py tests/nn/test_rope_gpu.py tests/gpu/test_fmha_sm100.py}; do
     [ -f "$f" ] || continue
     left=$(( ${TEST_BUDGET:-300} - ($(date +%s) - t) )); [ "$left" -gt 10 ] || { say "$f: not run (test budget spent)"; continue; }
     cap=$(( left * ${FILE_SHARE:-100} / 100 )); [ "$cap" -lt 30 ] && cap=$left  # FILE_SHARE: % of what is left

@@ -8,7 +8,10 @@ left between them (launch gaps, host work). One workload per flag, all on the cu
     python tools/profile_ops.py --bwd 192 causal         # the backward alone, three timers, ours beside cuDNN
     python tools/profile_ops.py --harness 192 causal     # bench_attention's backward row beside this file's timing
     python tools/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
-    python tools/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa
+    python tools/profile_ops.py --launch-overhead        # host time per launch of the layer's small kernels
+    python tools/profile_ops.py --mla-bwd-ab             # mla_attention's backward in place vs concatenated
+    python tools/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa,
+                                                         # with the GPU's idle gaps and what the host did
 
 For each it prints the call's median time (CUDA events, synchronized per call; for decode also replayed
 from a CUDA graph), the time per call queued back to back beside the summed kernel time of one call, and
@@ -264,6 +267,228 @@ def flushed_timeline(label: str, fn, iters: int = 20, flush_mb: int = 256) -> No
               f"{calls[0]['kernels'][i]['name'][:100]}")
 
 
+def gap_timeline(label: str, fn, min_gap_us: float = 8.0, top: int = 25, full: bool = False) -> None:
+    """Where the GPU sits idle during one call: the gaps between its consecutive kernels (copies, memsets)
+    longer than min_gap_us, each with the kernel after it, the host ops open when that kernel was launched
+    (innermost last) and how long after the previous kernel's end the launch came (positive: the host was
+    late, the gap is host time; negative: the kernel waited on something else). Host syncs in the call
+    (cudaStreamSynchronize, cudaDeviceSynchronize, blocking memcpy) are listed with their host duration.
+    full: every kernel in order, with its start, the gap before it and its launch time (host clock), all in
+    us from the first kernel's start."""
+    import json
+    import os
+    import tempfile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    # launches by the runtime (cudaLaunchKernel) or the driver (cuLaunchKernel: cuBLAS, Triton)
+    launches = {e["args"].get("correlation"): e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")),
+                 key=lambda o: o["ts"])
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime"
+             and any(s in e["name"] for s in ("Synchronize", "cudaMemcpy(", "cudaMemcpy "))]
+    if not device:
+        print(f"[{label}] gap timeline: no kernels recorded")
+        return
+    t0 = device[0]["ts"]
+    busy = sum(e["dur"] for e in device)
+    span = device[-1]["ts"] + device[-1]["dur"] - t0
+    rows = []
+    prev_end = None
+    for e in device:
+        gap = 0.0 if prev_end is None else e["ts"] - prev_end
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        stack, late, at = [], None, None
+        if launch is not None:
+            t = launch["ts"]
+            at = t - t0
+            stack = [o["name"] for o in ops if o["ts"] <= t <= o["ts"] + o["dur"]]
+            # host and device events share the trace's time base (kineto aligns the clocks)
+            if prev_end is not None:
+                late = t + launch["dur"] - prev_end
+        rows.append((e["ts"] - t0, gap, e["dur"], at, late, e["name"], stack))
+        prev_end = e["ts"] + e["dur"]
+    gaps = [r for r in rows if r[1] >= min_gap_us]
+    idle = sum(r[1] for r in gaps)
+    print(f"\n[{label}] one call: first kernel start -> last kernel end {span / 1e3:.3f} ms, kernels "
+          f"{busy / 1e3:.3f} ms, {len(gaps)} gaps over {min_gap_us:g} us totalling {idle / 1e3:.3f} ms")
+    for e in syncs:
+        print(f"  host sync {e['name']} {e['dur']:.1f} us")
+
+    def where(stack):
+        return " > ".join(s[:40] for s in stack[-3:]) if stack else "?"
+
+    for start, gap, dur, at, late, name, stack in sorted(gaps, key=lambda r: -r[1])[:top]:
+        late_s = f"{late:+7.1f}" if late is not None else "      ?"
+        print(f"  gap {gap:7.1f} us  launch vs prev end {late_s} us  before {name[:50]:50s}  [{where(stack)}]")
+    if full:
+        print(f"  {'start':>8s} {'gap':>7s} {'dur':>7s} {'launch':>8s}  kernel  [host ops at launch]")
+        for start, gap, dur, at, late, name, stack in rows:
+            at_s = f"{at:8.1f}" if at is not None else "       ?"
+            print(f"  {start:8.1f} {gap:7.1f} {dur:7.1f} {at_s}  {name[:44]:44s} [{where(stack)}]")
+
+
+def host_profile(label: str, fn, top: int = 30) -> None:
+    """Host time of one call (perf_counter, no sync inside: what the host spends issuing it) beside its GPU
+    time, and a cProfile of the call by cumulative time."""
+    import cProfile
+    import pstats
+    import time
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    host.sort()
+    print(f"\n[{label}] host time to issue one call: median {host[2]:.3f} ms (min {host[0]:.3f})")
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(top)
+
+
+def launch_overhead(calls: int = 200, top: int = 18) -> None:
+    """Host microseconds per call of the MLA layer's small launches, each queued `calls` times without a sync (the
+    launch queue never fills at these sizes, so the host never waits): an aten op and a cuBLAS GEMM for scale, the
+    Triton rotary and RMSNorm kernels through the layer's entry points, and a cProfile of the Triton calls by
+    internal time (us per call), which says where their host time goes."""
+    import cProfile
+    import pstats
+    import time
+    from mla_autograd.nn import MultiHeadLatentAttention
+    from mla_autograd.nn.rope import apply_rotary
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(64, 1536, device=dev, dtype=dt)
+    w = torch.randn(64, 1536, device=dev, dtype=dt)
+    q = torch.randn(1, 16, 128, 192, device=dev, dtype=dt)
+    ang = torch.rand(16, 32, device=dev)
+    cos, sin = ang.cos(), ang.sin()
+    layer = MultiHeadLatentAttention(7168, 128, q_lora_rank=1536, device=dev, dtype=dt)
+    norm = layer.q_a_layernorm
+    cases = {
+        "aten mul": lambda: x.mul(2.0),
+        "cuBLAS linear (64 x 1536 x 64)": lambda: torch.nn.functional.linear(x, w),
+        "rotary (Triton), apply_rotary keep=128": lambda: apply_rotary(q, cos[:, None], sin[:, None], interleaved=True,
+                                                                      keep=128),
+        "RMSNorm forward (Triton), no grad": lambda: norm(x),
+    }
+    print(f"\nhost us per call ({calls} calls queued, no sync):")
+    with torch.no_grad():
+        for name, fn in cases.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best = min(best, (time.perf_counter() - t) / calls * 1e6)
+                torch.cuda.synchronize()
+            print(f"  {best:8.1f} us  {name}")
+    # the layer's own forward, piece by piece: host time of each part of one call with grad on (what the
+    # training step's forward issues), queued behind nothing
+    h = torch.randn(1, 4096, 7168, device=dev, dtype=dt, requires_grad=True)
+    pieces = ("_queries", "_latents", "rotary", "_attend", "o_proj")
+    spent = {p: [] for p in pieces}
+
+    def timed(obj, attr, key):
+        fn = getattr(obj, attr)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            spent[key].append((time.perf_counter() - t) * 1e6)
+            return r
+        setattr(obj, attr, wrapper)
+
+    timed(layer, "_queries", "_queries")
+    timed(layer, "_latents", "_latents")
+    timed(layer.rotary, "rotate", "rotary")
+    timed(layer, "_attend", "_attend")
+    timed(layer.o_proj, "forward", "o_proj")
+    total = []
+    for _ in range(8):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        y = layer(h)
+        total.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        del y
+    print(f"\nlayer forward with grad (B=1, S=4096), host us per call: total {sorted(total)[4]:.0f}; " +
+          ", ".join(f"{p} {sorted(v)[len(v) // 2]:.0f}" for p, v in spent.items()))
+    with torch.no_grad():
+        for name in ("rotary (Triton), apply_rotary keep=128", "RMSNorm forward (Triton), no grad"):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(calls):
+                cases[name]()
+            pr.disable()
+            torch.cuda.synchronize()
+            print(f"\n[{name}] cProfile, {calls} calls, by internal time (seconds over all calls):")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
+def mla_bwd_ab(rounds: int = 3) -> None:
+    """mla_attention forward + backward at the MLA layer's shape (B=1, S=4096, 128 heads, causal, bf16; q_nope / q_pe
+    and k_nope / v the halves of one projection each, k_pe the rope slice of the latent row, as the layer makes them)
+    with its backward reading the parts in place (the mla_bwd sm90 row) and with that row passed over (the saved
+    parts concatenated for attn_bwd), alternating rounds in one process: per-call medians and each one's kernels."""
+    from mla_autograd import _ops
+    from mla_autograd._dispatch import Decision
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    B, S, H = 1, 4096, 128
+    torch.manual_seed(0)
+    q = torch.randn(B, S, H, 192, device=dev, dtype=dt, requires_grad=True)
+    kv = torch.randn(B, S, H, 256, device=dev, dtype=dt, requires_grad=True)
+    latent = torch.randn(B, S, 576, device=dev, dtype=dt, requires_grad=True)
+    dout = torch.randn(B, S, H, 128, device=dev, dtype=dt)
+    native_select = _ops.select
+
+    def concat_select(call):
+        if call.op == "mla_bwd":
+            return Decision("mla_bwd", "concat", None, (("sm90", "passed over for the A/B"),))
+        return native_select(call)
+
+    def step():
+        for t in (q, kv, latent):
+            t.grad = None
+        q_nope, q_pe = _ops.split_views(q, [128, 64])
+        k_nope, v = _ops.split_views(kv, [128, 128])
+        k_pe = latent[..., 512:].unsqueeze(2)
+        M.mla_attention(q_nope, q_pe, k_nope, k_pe, v, causal=True).backward(dout)
+
+    times = {"native": [], "concat": []}
+    try:
+        for _ in range(rounds):
+            for name, sel in (("native", native_select), ("concat", concat_select)):
+                _ops.select = sel
+                times[name].append(events_ms(step, iters=20))
+        print("\nmla_attention fwd+bwd at the layer's shape, ms per call (rounds): " +
+              "; ".join(f"{k} {min(v):.3f}-{max(v):.3f} (median {sorted(v)[len(v) // 2]:.3f})" for k, v in times.items()))
+        for name, sel in (("native", native_select), ("concat", concat_select)):
+            _ops.select = sel
+            kernel_table(f"mla_attention fwd+bwd, backward {name}", step, iters=3, top=10)
+    finally:
+        _ops.select = native_select
+
+
 def run_decode(B: int, S: int, H: int) -> None:
     from mla_autograd._build import load_family
     ext = load_family("mla_decode_sm80")
@@ -307,6 +532,10 @@ def run_layer() -> None:
     f = lambda: step(ours, lambda m, h: m(h))  # noqa: E731
     print(f"layer train step, ours: {events_ms(f, iters=10):.3f} ms")
     kernel_table("layer ours", f, iters=3, top=25)
+    gap_timeline("layer ours", f, full=True)
+    with torch.no_grad():
+        host_profile("layer ours, forward (no grad)", lambda: ours(x))
+    host_profile("layer ours, train step", f)
     if BL.transformers is None:
         return
     state = {k_: v_.detach().clone() for k_, v_ in ours.state_dict().items()}
@@ -319,6 +548,7 @@ def run_layer() -> None:
     g = lambda: step(hf, lambda m, h: m(h, rot(h, pos), None)[0])  # noqa: E731
     print(f"layer train step, transformers sdpa: {events_ms(g, iters=10):.3f} ms")
     kernel_table("layer transformers sdpa", g, iters=3, top=25)
+    gap_timeline("layer transformers sdpa", g)
 
 
 def main(argv=None):
@@ -335,6 +565,10 @@ def main(argv=None):
                     help="bench_attention's backward row beside this file's timing of it, in one process")
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--mla-bwd-ab", action="store_true",
+                    help="mla_attention fwd+bwd at the layer's shape, backward in place vs concatenated, alternating")
+    ap.add_argument("--launch-overhead", action="store_true",
+                    help="host time per launch of the layer's small kernels (Triton rotary / RMSNorm, aten, cuBLAS)")
     args = ap.parse_args(argv)
     for dims, mask in args.attention:
         run_attention(int(dims), mask == "causal")
@@ -346,6 +580,10 @@ def main(argv=None):
         run_decode(B, S, H)
     if args.layer:
         run_layer()
+    if args.launch_overhead:
+        launch_overhead()
+    if args.mla_bwd_ab:
+        mla_bwd_ab()
 
 
 if __name__ == "__main__":

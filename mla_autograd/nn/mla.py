@@ -25,6 +25,7 @@ Two execution paths:
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 from typing import Any, Mapping
@@ -32,7 +33,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .._ops import split_views
+from .._ops import eager_direct, split_views
 from .cache import MLACache, _to_device
 from .rope import RotaryEmbedding, mla_softmax_scale
 
@@ -51,9 +52,133 @@ def _api():
     return functional
 
 
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as torch ops (differentiable through them), transformers' DeepseekV3RMSNorm: statistics and
+    normalization in float32 (float64 for float64 x), the normalized x rounded to x's dtype, then times weight
+    (in the two dtypes' promotion)."""
+    dtype = x.dtype
+    h = x.to(torch.float32) if dtype != torch.float64 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+_NORM_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Device types whose tensors RMSNorm's Triton kernels take. The tests add "cpu" under Triton's interpreter
+# (TRITON_INTERPRET=1), which runs the kernels on CPU tensors.
+_NORM_KERNEL_DEVICE_TYPES = ("cuda",)
+#: The widest rows the kernels take (_rmsnorm_triton.MAX_N, repeated here so that the check imports no triton).
+_NORM_KERNEL_MAX_N = 8192
+# Looked up, not imported: `import mla_autograd.nn` does not import triton (the kernel module does, on first use)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _rows_stride(t: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of t (..., N) viewed as (rows, N), or None when its leading dims do
+    not flatten into one without a copy (t.view(-1, N) would fail). Metadata only."""
+    stride = None
+    span = None  # the stride the next outer dim needs to continue the rows evenly
+    for size, st in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if span is None:
+            stride = st
+        elif st != span:
+            return None
+        span = st * size
+    return t.shape[-1] if stride is None else stride  # one row: any stride does
+
+
+def _norm_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """RMSNorm's Triton kernels serve the call: x a non-empty tensor of rank >= 1 on a kernel device (CUDA) in
+    bfloat16/float16/float32, at most _NORM_KERNEL_MAX_N wide, unit stride along its last dim (or one column)
+    and leading dims that view as one row dim without a copy; weight (N,) of x's dtype on x's device (any
+    stride). Metadata only; plain eager tensors are RMSNorm.forward's own check."""
+    if not (_HAS_TRITON and x.device.type in _NORM_KERNEL_DEVICE_TYPES and x.dtype in _NORM_KERNEL_DTYPES):
+        return False
+    if x.dim() == 0 or x.numel() == 0 or x.shape[-1] > _NORM_KERNEL_MAX_N:
+        return False
+    if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return False
+    return (x.stride(-1) == 1 or x.shape[-1] == 1) and _rows_stride(x) is not None
+
+
+def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     need_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward kernel on x (..., N) where `_norm_kernel_takes`: (y of x's shape, contiguous; rstd (rows,)
+    float32 or None). See `_rmsnorm_triton.rms_norm_forward`."""
+    from . import _rmsnorm_triton
+    n = x.shape[-1]
+    y, rstd = _rmsnorm_triton.rms_norm_forward(x.view(-1, n), weight, eps, need_rstd=need_rstd)
+    return y.view(x.shape), rstd
+
+
+def _rms_norm_kernel_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                              need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward kernel: (dx of x's shape or None, d weight or None) for the upstream gradient dy (x's shape,
+    any strides). See `_rmsnorm_triton.rms_norm_backward`."""
+    from . import _rmsnorm_triton
+    n = x.shape[-1]
+    # a gradient whose leading dims do not flatten in place (e.g. a transpose's), or whose last dim is not unit
+    # stride (an expanded y.sum() gradient, a column-major one), is copied once: Triton specializes its kernel on a
+    # unit last stride, and the other compilation would sum the rows in another order (other bits)
+    if dy.stride(-1) == 1 and _rows_stride(dy) is not None:
+        dy2 = dy.view(-1, n)
+    else:
+        dy2 = dy.contiguous().view(-1, n)
+    dx, dw = _rmsnorm_triton.rms_norm_backward(dy2, x.view(-1, n), weight, rstd, need_dx=need_dx, need_dw=need_dw)
+    return (dx.view(x.shape) if dx is not None else None), dw
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm through the Triton kernels, forward and backward; saves x (the input, held anyway), weight and
+    rstd (float32, one per row), never the normalized x or the output.
+
+    The backward computes only the gradients asked for (ctx.needs_input_grad). Under create_graph=True (double
+    backward) it recomputes the forward as torch ops from the saved x and weight and returns their gradient,
+    itself differentiable: the gradient's own gradient follows the torch path's formulas."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _rms_norm_kernel(x, weight, eps, need_rstd=True)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if not (need_dx or need_dw):
+            return None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, through the torch ops
+            wrt = [t for t, need in ((x, need_dx), (weight, need_dw)) if need]
+            grads = list(torch.autograd.grad(_rms_norm_torch(x, weight, ctx.eps), wrt, dy, create_graph=True))
+            return (grads.pop(0) if need_dx else None), (grads.pop(0) if need_dw else None), None
+        dx, dw = _rms_norm_kernel_backward(dy, x, weight, rstd, need_dx, need_dw)
+        return dx, dw, None
+
+
+# Parameters are a tensor subclass that holds a plain tensor: the kernels take them like plain tensors
+_PLAIN_WEIGHT_TYPES = (torch.Tensor, nn.Parameter)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm with transformers' DeepseekV3RMSNorm numerics (float32 statistics, weight applied in
-    the input dtype)."""
+    """RMSNorm with transformers' DeepseekV3RMSNorm numerics: per row of x (..., hidden_size),
+    ``weight * round(float32(x) * rsqrt(mean(float32(x)**2) + eps))``, the statistics and the normalization in
+    float32 (float64 for float64 x), the normalized x rounded to x's dtype before the weight multiplies it.
+
+    Plain eager CUDA tensors of bfloat16/float16/float32 (at most 8192 columns, unit stride along the last dim
+    and leading dims that flatten without a copy, weight of x's dtype and device) take one Triton launch per
+    direction (`_rmsnorm_triton`), output contiguous. Given the same mean square the forward is the torch ops' bit
+    for bit (the mean taken as torch's CUDA mean takes it, the float32 sum times float32(1/N)); the kernel adds
+    the squares in its own order, which can move the sum's last bits and so an output by a few float32 ulps, or
+    by one or two in bfloat16/float16. The backward saves only x, weight and one float32 rstd per row (never the
+    normalized x or the output) and computes only the gradients asked for, with the torch ops' formulas in
+    float32 (d weight summed over the rows in float32, each product unrounded, deterministically): within the
+    torch ops' rounding error. Under create_graph=True it recomputes the torch ops from x and weight and returns
+    their gradient, itself differentiable: double backward works and follows the torch path. Everything else
+    (CPU, float64, a weight of another dtype, wider or non-flattening inputs, torch.compile tracing, tensor
+    subclasses) runs the torch ops, which Inductor fuses when compiled."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
@@ -61,10 +186,12 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32) if dtype != torch.float64 else x
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        w = self.weight
+        if eager_direct(x) and type(w) in _PLAIN_WEIGHT_TYPES and _norm_kernel_takes(x, w):
+            if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+                return _FusedRMSNorm.apply(x, w, self.variance_epsilon)
+            return _rms_norm_kernel(x, w, self.variance_epsilon, need_rstd=False)[0]
+        return _rms_norm_torch(x, w, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -140,6 +267,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.softmax_scale = mla_softmax_scale(self.qk_head_dim, rope_scaling)
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._absorbed_key = None
+        self._rope_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     #: With a non-empty cache, dense steps of at most this many new tokens per sequence run the
     #: weight-absorbed decode (the decode kernel takes 1..8); longer chunks expand the cached latent.
@@ -249,6 +377,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self.invalidate_absorbed()
+        self._rope_tables.clear()
         return super()._apply(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward
@@ -284,12 +413,15 @@ class MultiHeadLatentAttention(nn.Module):
 
         h = hidden_states
         cu = _to_device(cu_seqlens, h.device).to(torch.int32) if packed else None
+        rope = None
         if position_ids is None:
             if packed:
                 position_ids = self._varlen_positions(cu, h.shape[0])
+            elif not torch.compiler.is_compiling():
+                rope = self._default_rope(h.shape[1], h.device)
             else:
                 position_ids = torch.arange(h.shape[1], device=h.device)
-        q_nope, q_pe, c, k_pe = self._project(h, position_ids)
+        q_nope, q_pe, c, k_pe = self._project(h, position_ids, rope)
         if packed:
             o = self._attend(q_nope, q_pe, c, k_pe, cu, cu, max_seqlen, max_seqlen, deterministic=deterministic)
         else:
@@ -311,17 +443,34 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None and cache.buffer is not None and cache.device != h.device:
             raise ValueError(f"cache is on {cache.device} but hidden_states is on {h.device}")
 
-    def _project(self, h, position_ids):
+    def _default_rope(self, seqlen: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (seqlen, qk_rope / 2) float32 of positions 0..seqlen-1 on `device`, kept per (seqlen, device) (a
+        few lengths): a training run at one length reuses them rather than issuing five small kernels, on a forward
+        whose host time the GPU waits for. Made outside inference mode, so that they can be saved for a backward
+        whichever mode first asked for them."""
+        key = (seqlen, device)
+        tables = self._rope_tables.get(key)
+        if tables is None:
+            if len(self._rope_tables) >= 8:
+                self._rope_tables.clear()
+            with torch.inference_mode(False), torch.no_grad():
+                tables = self.rotary(torch.arange(seqlen, device=device))
+            self._rope_tables[key] = tables
+        return tables
+
+    def _project(self, h, position_ids, rope=None):
         """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h.
 
         q_nope (..., H, qk_nope) and q_pe (..., H, qk_rope) are the two parts of one new tensor: the query
         projection with RoPE applied to its last qk_rope columns, the nope columns copied beside them, in one
         pass (on CUDA one Triton launch, see `apply_rotary`'s keep). Their gradients come back from
         mla_attention as the two parts of one tensor too (split_views), so neither direction concatenates the
-        query. k_pe (..., qk_rope) is the rotated slice of the latent projection, c (..., kv_lora_rank)."""
+        query. k_pe (..., qk_rope) is the rotated slice of the latent projection, c (..., kv_lora_rank). rope: (cos,
+        sin) to use instead of those of position_ids."""
         q = self._queries(h)
         c, k_pe = self._latents(h)
-        cos, sin = self.rotary(position_ids)  # (..., d/2), broadcast over the batch when (S,)
+        # (..., d/2), broadcast over the batch when (S,); rope: the tables of positions 0..S-1 (_default_rope)
+        cos, sin = rope if rope is not None else self.rotary(position_ids)
         q = self.rotary.rotate(q, cos.unsqueeze(-2), sin.unsqueeze(-2), keep=self.qk_nope_head_dim)
         q_nope, q_pe = split_views(q, [self.qk_nope_head_dim, self.qk_rope_head_dim])
         k_pe = self.rotary.rotate(k_pe, cos, sin)

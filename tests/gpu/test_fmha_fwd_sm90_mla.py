@@ -5,7 +5,8 @@ Reference: the same family's fwd on the concatenated q = [q_nope | q_pe], k = [k
 broadcast over the kv heads). Both fill the same smem tiles and run the same arithmetic on them, so out and lse
 must be bit-identical (torch.equal; NaN-poisoned before every call so unwritten elements fail). Through the
 public API: mla_attention against attention on the concatenation, out and lse bit for bit, gradients bit for bit
-under deterministic=True (the backward concatenates the saved parts for the same attn_bwd) and close otherwise.
+under deterministic=True (the backward reads the saved parts in place, fmha_bwd_sm90's bwd_mla, whose kernel tests
+are in test_fmha_bwd_sm90_mla.py) and close otherwise.
 """
 from __future__ import annotations
 
@@ -23,14 +24,11 @@ if not _CAP_OK:
 import mla_autograd as M  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
 
-DEV = "cuda"
-DN, DR, DV = 128, 64, 128
-DTYPES = [torch.bfloat16, torch.float16]
-MASKS = [(False, False), (True, False), (True, True)]  # (causal, bottom_right)
+from mla_parts import DEV, DN, DR, DTYPES, DV, KPE, MASKS, cat_parts, dtype_id, make_parts, mask_id, rand  # noqa: E402
+
 # (Sq, Sk, Hq, Hkv): odd lengths, Sq != Sk both ways, MHA / GQA / MQA, an empty key side
 SHAPES = [(1, 1, 1, 1), (17, 113, 8, 2), (113, 17, 8, 1), (255, 257, 16, 16), (1, 1023, 8, 8), (1023, 1, 2, 1),
           (1000, 1000, 4, 4), (17, 0, 2, 1)]
-KPE = ["kpe1", "kpeH"]  # k_pe with one head (shared) or Hkv heads
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +36,10 @@ def ext():
     return load_family("fmha_fwd_sm90")
 
 
-def _mask_id(m):
-    return {(False, False): "nomask", (True, False): "causal_tl", (True, True): "causal_br"}[m]
 
 
-def _rand(shape, dtype, g):
-    return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
 
 
-def _cat(q_nope, q_pe, k_nope, k_pe):
-    k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
-    return torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1)
 
 
 def _poisoned(q_nope, varlen):
@@ -67,7 +58,7 @@ def _check_bit_identical(ext, q_nope, q_pe, k_nope, k_pe, v, *, scale, causal, b
         ext.fwd_mla(q_nope, q_pe, k_nope, k_pe, v, out, lse, *args)
     else:
         ext.fwd_mla_with_options(q_nope, q_pe, k_nope, k_pe, v, out, lse, *args, options)
-    q, k = _cat(q_nope, q_pe, k_nope, k_pe)
+    q, k = cat_parts(q_nope, q_pe, k_nope, k_pe)
     ref, ref_lse = _poisoned(q_nope, varlen)
     ext.fwd(q, k, v, ref, ref_lse, *args)
     torch.cuda.synchronize()
@@ -82,45 +73,40 @@ def _check_bit_identical(ext, q_nope, q_pe, k_nope, k_pe, v, *, scale, causal, b
     assert torch.equal(lse, ref_lse), f"lse {name}: differs from the concatenated forward"
 
 
-def _parts(B, sq, sk, hq, hkv, kpe, dtype, g):
-    lead_q = (sq,) if B is None else (B, sq)
-    lead_k = (sk,) if B is None else (B, sk)
-    return (_rand((*lead_q, hq, DN), dtype, g), _rand((*lead_q, hq, DR), dtype, g), _rand((*lead_k, hkv, DN), dtype, g),
-            _rand((*lead_k, 1 if kpe == "kpe1" else hkv, DR), dtype, g), _rand((*lead_k, hkv, DV), dtype, g))
 
 
 # ---------------------------------------------------------------- the kernel against fwd on the concatenation
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
-@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("kpe", KPE)
 def test_dense_bit_identical(ext, dtype, mask, shape, kpe):
     sq, sk, hq, hkv = shape
     g = torch.Generator(device=DEV).manual_seed(hash((sq, sk, hq, hkv, mask, kpe)) % (2**31))
-    parts = _parts(2, sq, sk, hq, hkv, kpe, dtype, g)
+    parts = make_parts(2, sq, sk, hq, hkv, kpe, dtype, g)
     _check_bit_identical(ext, *parts, scale=0.0721, causal=mask[0], bottom_right=mask[1],
                          name=f"{dtype} {mask} {shape} {kpe}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
-@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 def test_part_views_of_projections(ext, dtype, mask):
     """As an MLA layer makes them: q_nope / q_pe split from one (B, S, Hq, 192) projection, k_nope / v from one
     (B, S, Hkv, 256) projection, k_pe sliced from the (B, S, 576) latent row and viewed as (B, S, 1, 64); k_nope
     also from batch-transposed storage."""
     g = torch.Generator(device=DEV).manual_seed(5)
     B, sq, sk, hq, hkv = 2, 301, 299, 8, 2
-    q = _rand((B, sq, hq, DN + DR), dtype, g)
-    kv = _rand((B, sk, hkv, DN + DV), dtype, g)
-    latent = _rand((B, sk, 512 + DR), dtype, g)
+    q = rand((B, sq, hq, DN + DR), dtype, g)
+    kv = rand((B, sk, hkv, DN + DV), dtype, g)
+    latent = rand((B, sk, 512 + DR), dtype, g)
     q_nope, q_pe = q.split([DN, DR], -1)
     k_nope, v = kv.split([DN, DV], -1)
     k_pe = latent[..., 512:].unsqueeze(2)
     assert k_pe.shape == (B, sk, 1, DR) and k_pe.stride() == (sk * 576, 576, DR, 1)
     kw = dict(scale=0.0721, causal=mask[0], bottom_right=mask[1])
     _check_bit_identical(ext, q_nope, q_pe, k_nope, k_pe, v, **kw, name=f"views {dtype} {mask}")
-    k_nope_t = _rand((sk, B, hkv, DN), dtype, g).transpose(0, 1)
+    k_nope_t = rand((sk, B, hkv, DN), dtype, g).transpose(0, 1)
     _check_bit_identical(ext, q_nope, q_pe, k_nope_t, k_pe, v, **kw, name=f"transposed k_nope {dtype} {mask}")
 
 
@@ -131,8 +117,8 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
-@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 @pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 1), (2, 2)], ids=lambda h: f"h{h[0]}_{h[1]}")
 @pytest.mark.parametrize("kpe", KPE)
@@ -142,7 +128,7 @@ def test_varlen_bit_identical(ext, dtype, mask, case, heads, kpe):
     g = torch.Generator(device=DEV).manual_seed(200 + case)
     cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
-    parts = _parts(None, sum(lq), sum(lk), hq, hkv, kpe, dtype, g)
+    parts = make_parts(None, sum(lq), sum(lk), hq, hkv, kpe, dtype, g)
     _check_bit_identical(ext, *parts, scale=0.0721, causal=mask[0], bottom_right=mask[1], cu_q=cu_q, cu_k=cu_k,
                          msq=max(lq), msk=max(lk), name=f"varlen {dtype} {mask} {lq} {lk} {heads} {kpe}")
 
@@ -152,7 +138,7 @@ def test_varlen_bit_identical(ext, dtype, mask, case, heads, kpe):
 def test_persistent_grid_bit_identical(ext, options):
     """Many tiles per CTA: the K ring and the Q barrier carry over from tile to tile with the rope loads on them."""
     g = torch.Generator(device=DEV).manual_seed(9)
-    parts = _parts(3, 515, 389, 4, 2, "kpe1", torch.bfloat16, g)
+    parts = make_parts(3, 515, 389, 4, 2, "kpe1", torch.bfloat16, g)
     for causal in (False, True):
         _check_bit_identical(ext, *parts, scale=0.0721, causal=causal, bottom_right=True, options=options,
                              name=f"options {options} causal={causal}")
@@ -160,16 +146,16 @@ def test_persistent_grid_bit_identical(ext, options):
 
 def test_rejects_bad_parts(ext):
     g = torch.Generator(device=DEV).manual_seed(3)
-    qn, qp, kn, kp, v = _parts(1, 64, 64, 4, 2, "kpe1", torch.bfloat16, g)
+    qn, qp, kn, kp, v = make_parts(1, 64, 64, 4, 2, "kpe1", torch.bfloat16, g)
     out, lse = _poisoned(qn, False)
     args = (None, None, None, None, 0.1, False, False)
-    unaligned = _rand((1, 64, 1, DR + 8), torch.bfloat16, g)[..., 4:4 + DR]  # base 8 bytes off a 16-byte boundary
+    unaligned = rand((1, 64, 1, DR + 8), torch.bfloat16, g)[..., 4:4 + DR]  # base 8 bytes off a 16-byte boundary
     with pytest.raises(RuntimeError, match="k_pe must be 16-byte aligned"):
         ext.fwd_mla(qn, qp, kn, unaligned, v, out, lse, *args)
     with pytest.raises(RuntimeError, match=r"\(Dn, Dr, Dv\) = \(128, 64, 128\)"):
         ext.fwd_mla(qn, qp[..., :32], kn, kp[..., :32], v, out, lse, *args)
     with pytest.raises(RuntimeError, match="k_pe must have 1 head or as many as k_nope"):
-        ext.fwd_mla(qn, qp, kn, _rand((1, 64, 3, DR), torch.bfloat16, g), v, out, lse, *args)
+        ext.fwd_mla(qn, qp, kn, rand((1, 64, 3, DR), torch.bfloat16, g), v, out, lse, *args)
     with pytest.raises(RuntimeError, match="q_pe shape"):
         ext.fwd_mla(qn, qp[:, :32], kn, kp, v, out, lse, *args)
     with pytest.raises(RuntimeError, match="q_pe must have the dtype of q_nope"):
@@ -180,15 +166,15 @@ def test_rejects_bad_parts(ext):
 
 def _public_parts(B, sq, sk, hq, hkv, kpe, dtype, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return tuple(t.requires_grad_() for t in _parts(B, sq, sk, hq, hkv, kpe, dtype, g))
+    return tuple(t.requires_grad_() for t in make_parts(B, sq, sk, hq, hkv, kpe, dtype, g))
 
 
 def _grads(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
-@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4), (8, 1)], ids=lambda h: f"h{h[0]}_{h[1]}")
 @pytest.mark.parametrize("kpe", KPE)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
@@ -200,7 +186,7 @@ def test_public_mla_attention_matches_concatenated(dtype, mask, heads, kpe, dete
     assert M.explain_mla(*parts, causal=causal, causal_align=align).path == "native"
     kw = dict(causal=causal, causal_align=align, deterministic=deterministic, return_lse=True)
     out, lse = M.mla_attention(*parts, **kw)
-    q, k = _cat(*parts[:4])
+    q, k = cat_parts(*parts[:4])
     ref, ref_lse = M.attention(q, k, parts[4], **kw)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     dout = torch.randn_like(out)
@@ -213,8 +199,8 @@ def test_public_mla_attention_matches_concatenated(dtype, mask, heads, kpe, dete
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
-@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 @pytest.mark.parametrize("kpe", KPE)
 def test_public_varlen_empty_sequence_matches_concatenated(dtype, mask, kpe):
     lq, lk = [65, 0, 130, 17], [80, 33, 130, 0]
@@ -226,7 +212,7 @@ def test_public_varlen_empty_sequence_matches_concatenated(dtype, mask, kpe):
     kw = dict(causal=causal, causal_align=align, deterministic=True, return_lse=True)
     args = (cq, ck, max(lq), max(lk))
     out, lse = M.mla_attention_varlen(*parts, *args, **kw)
-    q, k = _cat(*parts[:4])
+    q, k = cat_parts(*parts[:4])
     ref, ref_lse = M.attention_varlen(q, k, parts[4], *args, **kw)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     # sequence 3 has no keys: zero output, lse -inf
@@ -243,15 +229,15 @@ def test_public_strided_views(offset):
     stride are 8 bytes off TMA's 16-byte rule (each copied alone first, same results)."""
     B, S, hq = 2, 200, 8
     g = torch.Generator(device=DEV).manual_seed(23)
-    q = _rand((B, S, hq, DN + DR + offset), torch.bfloat16, g)[..., offset:].requires_grad_()
-    kv = _rand((B, S, 1, DN + DV), torch.bfloat16, g).requires_grad_()
-    latent = _rand((B, S, 512 + DR), torch.bfloat16, g).requires_grad_()
+    q = rand((B, S, hq, DN + DR + offset), torch.bfloat16, g)[..., offset:].requires_grad_()
+    kv = rand((B, S, 1, DN + DV), torch.bfloat16, g).requires_grad_()
+    latent = rand((B, S, 512 + DR), torch.bfloat16, g).requires_grad_()
     q_nope, q_pe = q.split([DN, DR], -1)
     k_nope, v = kv.split([DN, DV], -1)
     k_pe = latent[..., 512:].unsqueeze(2)
     kw = dict(causal=True, deterministic=True, return_lse=True)
     out, lse = M.mla_attention(q_nope, q_pe, k_nope, k_pe, v, **kw)
-    qc, kc = _cat(q_nope, q_pe, k_nope, k_pe)
+    qc, kc = cat_parts(q_nope, q_pe, k_nope, k_pe)
     ref, ref_lse = M.attention(qc, kc, v, **kw)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     dout = torch.randn_like(out)
@@ -278,3 +264,12 @@ def test_compile_fullgraph_and_opcheck():
     cu = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
     packed = _public_parts(None, sum(lq), sum(lq), 4, 4, "kpeH", torch.float16, seed=37)
     torch.library.opcheck(op, (*packed, cu, cu, 70, 70, 0.0721, False, True, True))
+    # the backward op (what torch.compile's backward graph calls), on the forward's saved parts, out and lse
+    bop = torch.ops.mla_autograd.mla_attn_bwd.default
+    d = [t.detach() for t in parts]
+    torch.library.opcheck(bop, (dout, *d, out_e.detach(), lse_e, None, None, 129, 130, 0.0721, True, True, True))
+    out_p, lse_p = M.mla_attention_varlen(*packed, cu, cu, 70, 70, softmax_scale=0.0721, deterministic=True,
+                                          return_lse=True)
+    dp = [t.detach() for t in packed]
+    torch.library.opcheck(bop, (torch.randn_like(out_p), *dp, out_p.detach(), lse_p, cu, cu, 70, 70, 0.0721, False,
+                                True, True))

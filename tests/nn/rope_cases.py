@@ -13,15 +13,13 @@ import torch
 
 from mla_autograd.nn import MultiHeadLatentAttention, RotaryEmbedding, apply_rotary
 from mla_autograd.nn import rope as rope_mod
+from mla_autograd.testing import assert_bitwise
 
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128, "mscale": 1.0,
         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 #: How the layer (or a caller) lays out x and the tables; see rope_inputs.
 LAYOUTS = ("q", "q_batch_positions", "k", "packed_q", "packed_k", "transposed", "last_stride_2")
-
-_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-        torch.float64: torch.int64}
 
 
 def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -84,15 +82,6 @@ def rope_inputs(layout: str, *, B: int, S: int, H: int, D: int, dtype: torch.dty
     if layout not in ("k", "packed_k"):  # a head dim: the tables broadcast over it
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return base.requires_grad_(True), x, cos, sin
-
-
-def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
-        f"{what}: {actual.dtype} {tuple(actual.shape)} vs {expected.dtype} {tuple(expected.shape)}"
-    a, e = actual.contiguous().view(_INT[actual.dtype]), expected.contiguous().view(_INT[actual.dtype])
-    bad = int((a != e).sum())
-    worst = (actual.double() - expected.double()).abs().max().item()
-    assert bad == 0, f"{what}: {bad} of {a.numel()} elements differ in their bits (max |diff| {worst:g})"
 
 
 def rotate_and_grad(fn, base: torch.Tensor, x_of_base, cos, sin, interleaved: bool, dy: torch.Tensor):

@@ -167,6 +167,26 @@ def test_batched_matches_per_sequence_and_explicit_positions():
     torch.testing.assert_close(m(x, position_ids=torch.arange(11)[None].expand(3, 11)), y, atol=0, rtol=0)
 
 
+def test_default_position_tables_are_reused_and_trainable():
+    """The cos/sin tables of positions 0..S-1 are made once per (S, device) and reused; made under inference_mode
+    first, they still serve a training forward + backward (they are normal tensors); converting the layer drops
+    them."""
+    m = make_layer(20, YARN)
+    x = torch.randn(2, 7, 48, dtype=torch.float64)
+    with torch.inference_mode():
+        y0 = m(x)
+    (tables,) = m._rope_tables.values()
+    assert not any(t.is_inference() for t in tables)
+    xg = x.clone().requires_grad_(True)
+    y = m(xg)
+    assert m._rope_tables[(7, x.device)] is tables  # reused, not rebuilt
+    torch.testing.assert_close(y.detach(), y0, atol=0, rtol=0)
+    y.sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    m.to(torch.float32)
+    assert not m._rope_tables
+
+
 @pytest.mark.parametrize("q_lora_rank", [None, 20])
 def test_gradients_reach_every_parameter(q_lora_rank):
     m = make_layer(q_lora_rank, YARN, bias=True, dtype=torch.float32)

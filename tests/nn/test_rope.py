@@ -13,8 +13,9 @@ import torch
 
 from mla_autograd.nn import apply_rotary
 from mla_autograd.nn import rope as rope_mod
+from mla_autograd.testing import assert_bitwise
 
-from rope_cases import LAYOUTS, assert_bitwise, check_case, reference_rotary, rope_inputs
+from rope_cases import LAYOUTS, check_case, reference_rotary, rope_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

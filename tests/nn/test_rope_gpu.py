@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from mla_autograd.nn import RotaryEmbedding, apply_rotary
+from mla_autograd.testing import assert_bitwise
 
-from rope_cases import LAYOUTS, YARN, assert_bitwise, check_case, check_layer_compiles, check_layer_paths_agree
+from rope_cases import LAYOUTS, YARN, check_case, check_layer_compiles, check_layer_paths_agree
 
 pytestmark = [
     pytest.mark.gpu,

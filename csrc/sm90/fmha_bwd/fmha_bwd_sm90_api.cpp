@@ -3,6 +3,9 @@
 //       softmax_scale, causal, bottom_right, deterministic) -> None      what mla_autograd/_ops.py calls
 //   bwd_with_options(..., deterministic, options: dict) -> None            the same with launch options
 //       (tests and benchmarks only; see parse_options)
+//   bwd_mla(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, dq, dk_nope, dk_pe, dv, ...) -> None   bwd's arguments
+//       with MLA's split q / k read in place and dk written in two parts (the MLA-native 192/128 backward);
+//       bwd_mla_with_options likewise
 // Validates every argument (errors name it), allocates the fp32 workspace (O(Tq * Hq * D)), and
 // launches preprocess -> main -> postprocess on the current stream.
 #include <torch/extension.h>
@@ -61,11 +64,57 @@ FmhaBwdSm90Options parse_options(const py::dict& options) {
   return o;
 }
 
+// The rope parts of an MLA-native call: q, k and dk of bwd_impl are then q_nope, k_nope and dk_nope.
+struct RopeInputs {
+  const at::Tensor& q_pe;
+  const at::Tensor& k_pe;
+  const at::Tensor& dk_pe;
+};
+
+// Checks q_pe / k_pe / dk_pe against q_nope (q) and k_nope (k), whose shapes bwd_impl has checked, and fills `rp`
+// with their pointers and strides.
+void set_rope_parts(const RopeInputs& r, const at::Tensor& q, const at::Tensor& k, bool varlen,
+                    FmhaBwdSm90RopeParts& rp) {
+  const at::Tensor& qp = r.q_pe;
+  const at::Tensor& kp = r.k_pe;
+  const at::Tensor& dkp = r.dk_pe;
+  const int64_t nd = q.dim();
+  MLA_CHECK(kp.dim() == nd, "fmha_bwd_sm90: k_pe must have ", nd, " dims, got ", kp.sizes());
+  const int64_t hkv = k.size(-2), heads = kp.size(-2);
+  MLA_CHECK(heads == 1 || heads == hkv, "fmha_bwd_sm90: k_pe must have 1 head or as many as k_nope (", hkv,
+            "), got ", heads);
+  check_tensor(qp, "q_pe", q, nd);
+  check_tensor(dkp, "dk_pe", q, nd);
+  // a one-head k_pe's head stride is never used (check_tensor's rules skip size-1 dims)
+  check_tensor(kp, "k_pe", q, nd);
+  std::vector<int64_t> qp_shape(q.sizes().begin(), q.sizes().end()), kp_shape(k.sizes().begin(), k.sizes().end());
+  qp_shape.back() = 64;
+  kp_shape.back() = 64;
+  check_shape(qp, "q_pe", qp_shape);
+  check_shape(dkp, "dk_pe", kp_shape);
+  kp_shape[nd - 2] = heads;
+  check_shape(kp, "k_pe", kp_shape);
+  rp.q_pe = qp.data_ptr();
+  rp.k_pe = kp.data_ptr();
+  rp.dk_pe = dkp.data_ptr();
+  rp.k_pe_heads = int(heads);
+  const int64_t r0 = varlen ? 0 : 1;  // the row dimension
+  rp.q_pe_row_stride = qp.stride(r0);
+  rp.q_pe_head_stride = qp.stride(r0 + 1);
+  rp.k_pe_row_stride = kp.stride(r0);
+  rp.k_pe_head_stride = heads == 1 ? 8 : kp.stride(r0 + 1);
+  rp.dk_pe_row_stride = dkp.stride(r0);
+  rp.dk_pe_head_stride = dkp.stride(r0 + 1);
+  rp.q_pe_batch_stride = varlen ? 0 : qp.stride(0);
+  rp.k_pe_batch_stride = varlen ? 0 : kp.stride(0);
+  rp.dk_pe_batch_stride = varlen ? 0 : dkp.stride(0);
+}
+
 void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor lse,
               at::Tensor dq, at::Tensor dk, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
               std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
               std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
-              bool deterministic, const FmhaBwdSm90Options& opt) {
+              bool deterministic, const FmhaBwdSm90Options& opt, const RopeInputs* rope = nullptr) {
   MLA_CHECK(q.is_cuda(), "fmha_bwd_sm90: q must be a CUDA tensor");
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "fmha_bwd_sm90: q must be bfloat16 or float16, got ", q.scalar_type());
@@ -82,7 +131,8 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   check_tensor(dk, "dk", q, nd);
   check_tensor(dv, "dv", q, nd);
   MLA_CHECK(dq.is_contiguous(), "fmha_bwd_sm90: dq must be contiguous");
-  MLA_CHECK(dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
+  // dk_nope of an MLA-native call may be strided like dv (below)
+  MLA_CHECK(rope != nullptr || dk.is_contiguous(), "fmha_bwd_sm90: dk must be contiguous");
   // dv may be a strided view (check_tensor's rules; the kernels store through its strides): mla_attention's
   // backward writes it straight into the value half of the buffer that holds [dk_nope | dv] per head, the
   // gradient of the projection that k_nope and v are views of.
@@ -91,12 +141,18 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   MLA_CHECK(lse.dim() == nd - 1, "fmha_bwd_sm90: lse must have ", nd - 1, " dims");
   MLA_CHECK(lse.stride(-1) == 1, "fmha_bwd_sm90: lse must have a unit last-dim stride");
 
-  const int64_t d = q.size(-1), dvd = v.size(-1);
+  // d: the head dim of q . k (q_nope + q_pe in an MLA-native call)
+  const int64_t d = q.size(-1) + (rope != nullptr ? rope->q_pe.size(-1) : 0), dvd = v.size(-1);
   const int64_t hq = q.size(-2), hkv = k.size(-2);
+  if (rope != nullptr) {
+    MLA_CHECK(q.size(-1) == 128 && rope->q_pe.size(-1) == 64 && dvd == 128,
+              "fmha_bwd_sm90: the MLA-native backward takes (Dn, Dr, Dv) = (128, 64, 128) (q_nope, q_pe, v head "
+              "dims), got (", q.size(-1), ", ", rope->q_pe.size(-1), ", ", dvd, ")");
+  }
   MLA_CHECK((d == 192 && dvd == 128) || (d == 128 && dvd == 128) || (d == 64 && dvd == 64),
               "fmha_bwd_sm90: unsupported head dims (q/k ", d, ", v ", dvd,
               "); supported: (192,128), (128,128), (64,64)");
-  MLA_CHECK(k.size(-1) == d, "fmha_bwd_sm90: k head dim must equal q head dim");
+  MLA_CHECK(k.size(-1) == q.size(-1), "fmha_bwd_sm90: k head dim must equal q head dim");
   MLA_CHECK(hkv >= 1 && hq % hkv == 0, "fmha_bwd_sm90: num heads of q (", hq,
               ") must be a multiple of num heads of k (", hkv, ")");
   MLA_CHECK(v.size(-2) == hkv, "fmha_bwd_sm90: v must have the heads of k");
@@ -123,7 +179,7 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     msq = *max_seqlen_q;
     msk = *max_seqlen_k;
     MLA_CHECK(msq >= 0 && msk >= 0, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
-    check_shape(k, "k", {tk, hkv, d});
+    check_shape(k, "k", {tk, hkv, q.size(-1)});
     check_shape(v, "v", {tk, hkv, dvd});
     check_shape(out, "out", {tq, hq, dvd});
     check_shape(dout, "dout", {tq, hq, dvd});
@@ -137,14 +193,22 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     msq = max_seqlen_q.value_or(sq);
     msk = max_seqlen_k.value_or(sk);
     MLA_CHECK(msq == sq && msk == sk, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must match the dense lengths");
-    check_shape(k, "k", {batch, sk, hkv, d});
+    check_shape(k, "k", {batch, sk, hkv, q.size(-1)});
     check_shape(v, "v", {batch, sk, hkv, dvd});
     check_shape(out, "out", {batch, sq, hq, dvd});
     check_shape(dout, "dout", {batch, sq, hq, dvd});
     check_shape(lse, "lse", {batch, hq, sq});
   }
-  check_shape(dq, "dq", q.sizes());
+  if (rope != nullptr) {
+    std::vector<int64_t> dq_shape(q.sizes().begin(), q.sizes().end());
+    dq_shape.back() = d;  // dq stays whole: (..., Hq, Dn + Dr)
+    check_shape(dq, "dq", dq_shape);
+  } else {
+    check_shape(dq, "dq", q.sizes());
+  }
   check_shape(dk, "dk", k.sizes());
+  FmhaBwdSm90RopeParts rp{};
+  if (rope != nullptr) set_rope_parts(*rope, q, k, varlen, rp);
   check_shape(dv, "dv", v.sizes());
   MLA_CHECK(tq < (int64_t(1) << 31) && tk < (int64_t(1) << 31), "fmha_bwd_sm90: too many rows");
 
@@ -158,6 +222,7 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    if (rope != nullptr) rope->dk_pe.zero_();
     return;
   }
 
@@ -183,6 +248,7 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    if (rope != nullptr) rope->dk_pe.zero_();
   }
 
   FmhaBwdSm90Params p{};
@@ -244,6 +310,11 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   p.deterministic = deterministic;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
 
+  if (rope != nullptr) {
+    MLA_CUDA_CHECK(fmha_bwd_sm90_run_mla_192_128(p, rp, opt, dev.l2_bytes, stream),
+                   "fmha_bwd_sm90: launching the MLA-native kernels");
+    return;
+  }
   auto* const run =
       d == 192 ? fmha_bwd_sm90_run_192_128 : d == 128 ? fmha_bwd_sm90_run_128_128 : fmha_bwd_sm90_run_64_64;
   MLA_CUDA_CHECK(run(p, opt, dev.l2_bytes, stream), "fmha_bwd_sm90: launching the kernels (head dims ", d, ", ", dvd,
@@ -271,6 +342,28 @@ void bwd_with_options(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v,
            softmax_scale, causal, bottom_right, deterministic, opt);
 }
 
+void bwd_mla(at::Tensor dout, at::Tensor q_nope, at::Tensor q_pe, at::Tensor k_nope, at::Tensor k_pe, at::Tensor v,
+             at::Tensor out, at::Tensor lse, at::Tensor dq, at::Tensor dk_nope, at::Tensor dk_pe, at::Tensor dv,
+             std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k,
+             std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, double softmax_scale,
+             bool causal, bool bottom_right, bool deterministic) {
+  const RopeInputs rope{q_pe, k_pe, dk_pe};
+  bwd_impl(dout, q_nope, k_nope, v, out, lse, dq, dk_nope, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+           max_seqlen_k, softmax_scale, causal, bottom_right, deterministic, FmhaBwdSm90Options{}, &rope);
+}
+
+void bwd_mla_with_options(at::Tensor dout, at::Tensor q_nope, at::Tensor q_pe, at::Tensor k_nope, at::Tensor k_pe,
+                          at::Tensor v, at::Tensor out, at::Tensor lse, at::Tensor dq, at::Tensor dk_nope,
+                          at::Tensor dk_pe, at::Tensor dv, std::optional<at::Tensor> cu_seqlens_q,
+                          std::optional<at::Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+                          std::optional<int64_t> max_seqlen_k, double softmax_scale, bool causal, bool bottom_right,
+                          bool deterministic, const py::dict& options) {
+  const FmhaBwdSm90Options opt = parse_options(options);
+  const RopeInputs rope{q_pe, k_pe, dk_pe};
+  bwd_impl(dout, q_nope, k_nope, v, out, lse, dq, dk_nope, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+           max_seqlen_k, softmax_scale, causal, bottom_right, deterministic, opt, &rope);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mla_autograd SM90 fused attention backward (wgmma, TMA, warp-specialized)";
   m.def("bwd", &bwd, "fused attention backward (SM90)", py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
@@ -285,4 +378,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"),
         py::arg("deterministic"), py::arg("options"));
+  m.def("bwd_mla", &bwd_mla,
+        "the MLA-native 192/128 backward: q_nope/q_pe and k_nope/k_pe read in place (k_pe of 1 or Hkv heads); dq "
+        "(..., Hq, 192) whole, dk in two parts: dk_nope (k_nope's shape, any TMA-legal strides) and dk_pe (..., Hkv, 64), "
+        "per kv head (the caller sums a shared k_pe's over the heads)",
+        py::arg("dout"), py::arg("q_nope"), py::arg("q_pe"), py::arg("k_nope"), py::arg("k_pe"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk_nope"), py::arg("dk_pe"), py::arg("dv"),
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"), py::arg("deterministic"));
+  m.def("bwd_mla_with_options", &bwd_mla_with_options, "bwd_mla with bwd_with_options' launch options",
+        py::arg("dout"), py::arg("q_nope"), py::arg("q_pe"), py::arg("k_nope"), py::arg("k_pe"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk_nope"), py::arg("dk_pe"), py::arg("dv"),
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"), py::arg("deterministic"),
+        py::arg("options"));
 }

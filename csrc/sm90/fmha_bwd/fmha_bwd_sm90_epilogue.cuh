@@ -24,6 +24,19 @@ __device__ __forceinline__ bool dkv_tma_ok(const FmhaBwdSm90Params& p, int n_blo
   return p.dkv_tma && (n_block + 1) * Tr::BN <= len_k;
 }
 
+// The TMA store of one tile (or one part of an MLA-native dK tile, TraitsMla) from the smem at `base`, laid out as
+// `smem_layout` ((R, C)), to rows [block * R, (block + 1) * R) after `offset` of head `head`, batch `bcoord` of the
+// tensor `tma` describes (extents `gshape`).
+template <class Tma, class GShape, class SmemLayout, class Element>
+__device__ __forceinline__ void store_tile_part(const Tma& tma, const GShape& gshape, const SmemLayout& smem_layout,
+                                                Element* base, int offset, int block, int head, int bcoord) {
+  Tensor s = make_tensor(make_smem_ptr(base), smem_layout);
+  Tensor m = domain_offset(make_coord(offset, _0{}), tma.get_tma_tensor(gshape)(_, _, head, bcoord));
+  Tensor g = local_tile(m, product_each(shape(smem_layout)), make_coord(block, _0{}));
+  auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  copy(tma, ts, tg);
+}
+
 template <class Tr, class R2SK, class R2SV, class Frag16K, class Frag16V, class DstK, class DstV>
 __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename Tr::SharedStorage& ss, int tidx,
                                               const R2SK& r2s_k, const Frag16K& dk16, const DstK& dst_k,
@@ -44,6 +57,18 @@ __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename
     cta_coords(p, n_block, hkv, b);
     const Seq sq = get_seq<BM>(p, b);
     const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
+    if constexpr (Tr::kMla) {
+      // dK as its two parts, dk_nope (the K tile's first kDn columns) and dk_pe (the rest), then dV
+      store_tile_part(args.tma_dk, args.shape_k, typename Tr::SmemLayoutKNope{}, ss.k.data(), int(sq.offset_k),
+                      n_block, hkv, bcoord);
+      store_tile_part(args.tma_dk_pe, args.shape_dk_pe, typename Tr::SmemLayoutKPe{}, ss.k.data() + BN * Tr::kDn,
+                      int(sq.offset_k), n_block, hkv, bcoord);
+      store_tile_part(args.tma_dv, args.shape_v, typename Tr::SmemLayoutV{}, ss.v.data(), int(sq.offset_k), n_block,
+                      hkv, bcoord);
+      tma_store_arrive();
+      tma_store_wait<0>();  // the smem tiles are read before the CTA (and its smem) goes
+      return;
+    }
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
     Tensor mdK = domain_offset(make_coord(int(sq.offset_k), _0{}),
@@ -65,9 +90,17 @@ __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename
 // `scale`, to the rows of `base` (the sequence's first key row of this kv head). kKeysMajor: the rows of the
 // accumulator are keys (the swapped dK / dV), a thread's adjacent elements are adjacent dims and each pair
 // is one 4-byte store; else its rows are dims (dK^T / dV^T) and each element is one 2-byte store.
-template <bool kKeysMajor, class Element, class Acc, class ThrMma, class AccShape>
+// kSplit > 0 (an MLA-native dK): the dims from kSplit on go to `base_hi` instead (row stride `row_stride_hi`,
+// column dim - kSplit).
+template <bool kKeysMajor, int kSplit, class Element, class Acc, class ThrMma, class AccShape>
 __device__ __forceinline__ void store_dkv_rows(const Acc& acc, const ThrMma& thr, AccShape shape, Element* base,
-                                               int64_t row_stride, int key0, int len_k, float scale) {
+                                               int64_t row_stride, Element* base_hi, int64_t row_stride_hi, int key0,
+                                               int len_k, float scale) {
+  // an element's address: below kSplit in base's rows, from kSplit on in base_hi's
+  auto at = [&](int key, int dim) -> Element* {
+    if (kSplit > 0 && dim >= kSplit) return base_hi + int64_t(key) * row_stride_hi + (dim - kSplit);
+    return base + int64_t(key) * row_stride + dim;
+  };
   Tensor cc = thr.partition_C(make_identity_tensor(shape));
   if constexpr (kKeysMajor) {
     CUTE_UNROLL
@@ -77,16 +110,23 @@ __device__ __forceinline__ void store_dkv_rows(const Acc& acc, const ThrMma& thr
         cutlass::Array<Element, 2> pair;
         pair[0] = Element(acc(i) * scale);
         pair[1] = Element(acc(i + 1) * scale);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + int64_t(key) * row_stride + dim) = pair;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(at(key, dim)) = pair;
       }
     }
   } else {
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) {
       const int dim = get<0>(cc(i)), key = key0 + get<1>(cc(i));
-      if (key < len_k) base[int64_t(key) * row_stride + dim] = Element(acc(i) * scale);
+      if (key < len_k) *at(key, dim) = Element(acc(i) * scale);
     }
   }
+}
+
+// store_dkv_rows with every dim to `base`.
+template <bool kKeysMajor, class Element, class Acc, class ThrMma, class AccShape>
+__device__ __forceinline__ void store_dkv_rows(const Acc& acc, const ThrMma& thr, AccShape shape, Element* base,
+                                               int64_t row_stride, int key0, int len_k, float scale) {
+  store_dkv_rows<kKeysMajor, 0>(acc, thr, shape, base, row_stride, base, row_stride, key0, len_k, scale);
 }
 
 // The consumers' epilogue: this CTA's dK (times softmax_scale) and dV, accumulated in fp32 as
@@ -140,8 +180,18 @@ __device__ __forceinline__ void store_dkv(const MainArgs<Tr>& args, typename Tr:
   if constexpr (!Tr::Swap) asm volatile("" : "+r"(tidx_e));
   store_dkv_rows<Tr::Swap>(tdVrdV, typename Tr::TiledMmadV{}.get_thread_slice(tidx_e), typename Tr::ShapedV{}, dv,
                            p.dv_row_stride, key0, w.sq.seqlen_k, 1.f);
-  store_dkv_rows<Tr::Swap>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx_e), typename Tr::ShapedK{}, dk,
-                           p.dk_row_stride, key0, w.sq.seqlen_k, p.softmax_scale);
+  if constexpr (Tr::kMla) {
+    // dims kDn.. of dK are dk_pe's
+    const FmhaBwdSm90RopeParts& r = args.rope;
+    Element* dk_pe = static_cast<Element*>(r.dk_pe) + w.b * r.dk_pe_batch_stride + w.sq.offset_k * r.dk_pe_row_stride +
+                     w.hkv * r.dk_pe_head_stride;
+    store_dkv_rows<Tr::Swap, Tr::kDn>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx_e),
+                                      typename Tr::ShapedK{}, dk, p.dk_row_stride, dk_pe, r.dk_pe_row_stride, key0,
+                                      w.sq.seqlen_k, p.softmax_scale);
+  } else {
+    store_dkv_rows<Tr::Swap>(tdKrdK, typename Tr::TiledMmadK{}.get_thread_slice(tidx_e), typename Tr::ShapedK{}, dk,
+                             p.dk_row_stride, key0, w.sq.seqlen_k, p.softmax_scale);
+  }
 }
 
 }  // namespace fmha_bwd_sm90

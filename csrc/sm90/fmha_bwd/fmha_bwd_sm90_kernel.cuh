@@ -46,6 +46,22 @@ namespace fmha_bwd_sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
+// One tile (or one part of an MLA-native tile) by TMA: rows [block * R, (block + 1) * R) after `offset` (the
+// sequence's first row) of head `head`, batch `bcoord` of the tensor `tma` describes (extents `gshape`), into
+// the smem at `base` laid out as `smem_layout` ((R, C); for a part, the tile's layout restricted to its columns,
+// TraitsMla), counted on `bar`.
+template <class Tma, class GShape, class SmemLayout, class Element>
+__device__ __forceinline__ void load_tile_part(const Tma& tma, const GShape& gshape, const SmemLayout& smem_layout,
+                                               Element* base, uint64_t& bar, int offset, int block, int head,
+                                               int bcoord) {
+  Tensor s = make_tensor(make_smem_ptr(base), smem_layout);
+  Tensor m = domain_offset(make_coord(offset, _0{}), tma.get_tma_tensor(gshape)(_, _, head, bcoord));
+  Tensor g = local_tile(m, product_each(shape(smem_layout)), make_coord(block, _0{}));
+  auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  copy(tma.with(bar), tg, ts);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Main kernel: producer warpgroup, then one of the two consumer schedules.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __grid_constant__ MainArgs<Tr> args) {
@@ -126,6 +142,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
       if (w.total_iters > 0) {
         const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
         // K, V of this block (once)
+        if constexpr (Tr::kMla) {
+          // K in its two parts (the rope key of kv head 0 when every head shares it), then V
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_bar, Tr::kBytesK + Tr::kBytesV);
+          load_tile_part(args.tma_k, args.shape_k, typename Tr::SmemLayoutKNope{}, ss.k.data(), ss.kv_bar,
+                         int(w.sq.offset_k), n_block, hkv, bcoord);
+          load_tile_part(args.tma_k_pe, args.shape_k_pe, typename Tr::SmemLayoutKPe{}, ss.k.data() + BN * Tr::kDn,
+                         ss.kv_bar, int(w.sq.offset_k), n_block, args.k_pe_shared ? 0 : hkv, bcoord);
+          load_tile_part(args.tma_v, args.shape_v, typename Tr::SmemLayoutV{}, ss.v.data(), ss.kv_bar,
+                         int(w.sq.offset_k), n_block, hkv, bcoord);
+        } else {
         Tensor mK = domain_offset(make_coord(int(w.sq.offset_k), _0{}),
                                   args.tma_k.get_tma_tensor(args.shape_k)(_, _, hkv, bcoord));
         Tensor mV = domain_offset(make_coord(int(w.sq.offset_k), _0{}),
@@ -137,6 +163,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_bar, Tr::kBytesK + Tr::kBytesV);
         copy(args.tma_k.with(ss.kv_bar), tKgK, tKsK);
         copy(args.tma_v.with(ss.kv_bar), tVgV, tVsV);
+        }
 
         Tensor mQall = args.tma_q.get_tma_tensor(args.shape_q);
         Tensor mdOall = args.tma_do.get_tma_tensor(args.shape_do);
@@ -149,6 +176,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
         int hq = hkv * w.group, m = m_min;
 #pragma unroll 1
         while (hq < hq_end) {
+          if constexpr (Tr::kMla) {
+            // Q in its two parts into stage `stage` of the ring (a stage is BM * D elements), then dO
+            Element* sq = ss.q.data() + stage * (BM * D);
+            cutlass::arch::ClusterBarrier::wait(&ss.empty_bar[stage], phase ^ 1);
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.full_bar[stage],
+                                                                           Tr::kBytesQ + Tr::kBytesdO + Tr::kBytesRowStats);
+            load_tile_part(args.tma_q, args.shape_q, take<0, 2>(typename Tr::SmemLayoutQNope{}), sq,
+                           ss.full_bar[stage], start_q, m, hq, bcoord);
+            load_tile_part(args.tma_q_pe, args.shape_q_pe, take<0, 2>(typename Tr::SmemLayoutQPe{}), sq + BM * Tr::kDn,
+                           ss.full_bar[stage], start_q, m, hq, bcoord);
+            load_tile_part(args.tma_do, args.shape_do, take<0, 2>(typename Tr::SmemLayoutdO{}),
+                           ss.dout.data() + stage * (BM * DV), ss.full_bar[stage], start_q, m, hq, bcoord);
+          } else {
           Tensor mQ = domain_offset(make_coord(start_q, _0{}), mQall(_, _, hq, bcoord));
           Tensor mdO = domain_offset(make_coord(start_q, _0{}), mdOall(_, _, hq, bcoord));
           Tensor gQ = local_tile(mQ, Shape<Int<BM>, Int<D>>{}, make_coord(m, _0{}));
@@ -160,6 +200,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
                                                                          Tr::kBytesQ + Tr::kBytesdO + Tr::kBytesRowStats);
           copy(args.tma_q.with(ss.full_bar[stage]), tQgQ, tQsQ(_, stage));
           copy(args.tma_do.with(ss.full_bar[stage]), tdOgdO, tdOsdO(_, stage));
+          }
           if constexpr (Tr::Swap) {
             // scratch rows of an M-block are 64 contiguous floats at a multiple of 64: 16-byte aligned
             const int64_t srow0 = int64_t(hq) * p.scratch_rows + int64_t(sblk + m) * BM;
@@ -181,38 +222,68 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 }
 
 // ------------------------------------------------------------------------------------------------
-// Host launcher: preprocess -> main -> postprocess on `stream`; returns the first launch error
+// Host launchers: preprocess -> main -> postprocess on `stream`; return the first launch error
 // (common/cuda_check.h). l2_bytes: the device's L2 size, which sizes the main kernel's launch groups.
-template <class T, int D, int DV>
-cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes, cudaStream_t stream) {
-  using Element = typename CuteType<T>::type;
-  using Tr = Traits<Element, D, DV>;
-  constexpr int BM = Tr::BM, BN = Tr::BN;
+
+// The (rows, dim, head, batch) gmem view TMA descriptors are made from. varlen: batch extent 1, given a nonzero
+// stride that is a multiple of 16 bytes.
+template <class Element>
+auto gmem_view(const void* ptr, int rows, int dim, int heads, bool varlen, int batch, int64_t row_stride,
+               int64_t head_stride, int64_t batch_stride) {
+  int64_t bs = varlen ? row_stride * 8 : batch_stride;
+  if (bs == 0) bs = 8;
+  auto layout = make_layout(make_shape(int32_t(rows), int32_t(dim), int32_t(heads), int32_t(varlen ? 1 : batch)),
+                            make_stride(row_stride, _1{}, head_stride, bs));
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), layout);
+}
+
+// dK/dV by TMA store (store_dkv_tma) where an output allows it: 16-byte aligned base and strides.
+template <class Element>
+bool tma_ok(const void* ptr, std::initializer_list<int64_t> strides) {
+  bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  for (int64_t st : strides) ok = ok && st % (16 / int64_t(sizeof(Element))) == 0;
+  return ok;
+}
+
+// The three kernels, the main kernel with `args` (its TMA descriptors made by the caller).
+template <class T, class Tr>
+cudaError_t launch_kernels(const FmhaBwdSm90Params& p, const MainArgs<Tr>& args, cudaStream_t stream) {
+  constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, DV = Tr::DV;
   static_assert(BM == kFmhaBwdSm90BlockM, "scratch layout assumes one BM");
   const int grid_m = (p.seqlen_q + BM - 1) / BM;
-
   if (grid_m > 0) {
     dim3 grid(grid_m, p.hq, p.batch);
     fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid, 256, 0, stream>>>(p);
     MLA_CUDA_TRY(cudaGetLastError());
   }
+  const int grid_n = (p.seqlen_k + BN - 1) / BN;
+  if (grid_n > 0) {
+    constexpr int smem = Tr::kSmemBytes;
+    MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_bwd_sm90_main<Tr>>(smem));
+    dim3 grid(grid_n, p.hkv, p.batch);
+    fmha_bwd_sm90_main<Tr><<<grid, Tr::kThreads, smem, stream>>>(args);
+    MLA_CUDA_TRY(cudaGetLastError());
+  }
+  if (grid_m > 0) {
+    dim3 grid(grid_m, p.hq, p.batch);
+    fmha_bwd_sm90_postprocess<T, D, BM><<<grid, 256, 0, stream>>>(p);
+    MLA_CUDA_TRY(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
 
+template <class T, int D, int DV>
+cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes, cudaStream_t stream) {
+  using Element = typename CuteType<T>::type;
+  using Tr = Traits<Element, D, DV>;
+  constexpr int BM = Tr::BM, BN = Tr::BN;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int nb = varlen ? 1 : p.batch;
-  auto make_gmem = [&](const void* ptr, int rows, int dim, int heads, int64_t row_stride, int64_t head_stride,
-                       int64_t batch_stride) {
-    // varlen: batch extent 1; give it a nonzero stride that is a multiple of 16 bytes
-    int64_t bs = varlen ? row_stride * 8 : batch_stride;
-    if (bs == 0) bs = 8;
-    auto layout = make_layout(make_shape(int32_t(rows), int32_t(dim), int32_t(heads), int32_t(nb)),
-                              make_stride(row_stride, _1{}, head_stride, bs));
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), layout);
-  };
   const int rows_q = p.rows_q, rows_k = p.rows_k;
-  auto gQ = make_gmem(p.q, rows_q, D, p.hq, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto gdO = make_gmem(p.dout, rows_q, DV, p.hq, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
-  auto gK = make_gmem(p.k, rows_k, D, p.hkv, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto gV = make_gmem(p.v, rows_k, DV, p.hkv, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto gQ = gmem_view<Element>(p.q, rows_q, D, p.hq, varlen, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto gdO = gmem_view<Element>(p.dout, rows_q, DV, p.hq, varlen, p.batch, p.do_row_stride, p.do_head_stride,
+                                p.do_batch_stride);
+  auto gK = gmem_view<Element>(p.k, rows_k, D, p.hkv, varlen, p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto gV = gmem_view<Element>(p.v, rows_k, DV, p.hkv, varlen, p.batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   MainArgs<Tr> args{};
   args.p = p;
@@ -225,37 +296,75 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
   args.shape_do = gdO.shape();
   args.shape_k = gK.shape();
   args.shape_v = gV.shape();
-  // dK/dV by TMA store (store_dkv_tma) where the outputs allow it: 16-byte aligned base and strides
-  auto tma_ok = [](const void* ptr, std::initializer_list<int64_t> strides) {
-    bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-    for (int64_t st : strides) ok = ok && st % (16 / int64_t(sizeof(Element))) == 0;
-    return ok;
-  };
-  args.p.dkv_tma = tma_ok(p.dk, {p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride}) &&
-                   tma_ok(p.dv, {p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride});
+  args.p.dkv_tma = tma_ok<Element>(p.dk, {p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride}) &&
+                   tma_ok<Element>(p.dv, {p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride});
   if (args.p.dkv_tma) {
     // the same (rows, dim, head, batch) extents as K and V, so the kernel indexes them with shape_k/shape_v
-    auto gdK = make_gmem(p.dk, rows_k, D, p.hkv, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
-    auto gdV = make_gmem(p.dv, rows_k, DV, p.hkv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
+    auto gdK = gmem_view<Element>(p.dk, rows_k, D, p.hkv, varlen, p.batch, p.dk_row_stride, p.dk_head_stride,
+                                  p.dk_batch_stride);
+    auto gdV = gmem_view<Element>(p.dv, rows_k, DV, p.hkv, varlen, p.batch, p.dv_row_stride, p.dv_head_stride,
+                                  p.dv_batch_stride);
     args.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gdK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
     args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
   }
+  return launch_kernels<T>(p, args, stream);
+}
 
-  const int grid_n = (p.seqlen_k + BN - 1) / BN;
-  if (grid_n > 0) {
-    constexpr int smem = Tr::kSmemBytes;
-    MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_bwd_sm90_main<Tr>>(smem));
-    dim3 grid(grid_n, p.hkv, p.batch);
-    fmha_bwd_sm90_main<Tr><<<grid, Tr::kThreads, smem, stream>>>(args);
-    MLA_CUDA_TRY(cudaGetLastError());
-  }
+// The MLA-native 192/128 backward (TraitsMla): p describes q_nope, k_nope, dk_nope as q, k, dk (head_dim_qk 192),
+// `rope` the rope parts (fmha_bwd_sm90_params.h).
+template <class T>
+cudaError_t run_mla(const FmhaBwdSm90Params& p, const FmhaBwdSm90RopeParts& rope, const FmhaBwdSm90Options& opt,
+                    int l2_bytes, cudaStream_t stream) {
+  using Element = typename CuteType<T>::type;
+  using Tr = TraitsMla<Element>;
+  constexpr int BM = Tr::BM, BN = Tr::BN, DV = Tr::DV, Dn = Tr::kDn, Dr = Tr::kDr;
+  using DN = typename Tr::DN;
+  using DR = typename Tr::DR;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int rows_q = p.rows_q, rows_k = p.rows_k, nb = p.batch;
+  auto gQ = gmem_view<Element>(p.q, rows_q, Dn, p.hq, varlen, nb, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto gQpe = gmem_view<Element>(rope.q_pe, rows_q, Dr, p.hq, varlen, nb, rope.q_pe_row_stride, rope.q_pe_head_stride,
+                                 rope.q_pe_batch_stride);
+  auto gdO = gmem_view<Element>(p.dout, rows_q, DV, p.hq, varlen, nb, p.do_row_stride, p.do_head_stride,
+                                p.do_batch_stride);
+  auto gK = gmem_view<Element>(p.k, rows_k, Dn, p.hkv, varlen, nb, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto gKpe = gmem_view<Element>(rope.k_pe, rows_k, Dr, rope.k_pe_heads, varlen, nb, rope.k_pe_row_stride,
+                                 rope.k_pe_head_stride, rope.k_pe_batch_stride);
+  auto gV = gmem_view<Element>(p.v, rows_k, DV, p.hkv, varlen, nb, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto gdKpe = gmem_view<Element>(rope.dk_pe, rows_k, Dr, p.hkv, varlen, nb, rope.dk_pe_row_stride,
+                                  rope.dk_pe_head_stride, rope.dk_pe_batch_stride);
 
-  if (grid_m > 0) {
-    dim3 grid(grid_m, p.hq, p.batch);
-    fmha_bwd_sm90_postprocess<T, D, BM><<<grid, 256, 0, stream>>>(p);
-    MLA_CUDA_TRY(cudaGetLastError());
+  MainArgs<Tr> args{};
+  args.p = p;
+  args.p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
+  args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQNope{}), Shape<Int<BM>, DN>{}, _1{});
+  args.tma_q_pe = make_tma_copy(SM90_TMA_LOAD{}, gQpe, take<0, 2>(typename Tr::SmemLayoutQPe{}), Shape<Int<BM>, DR>{}, _1{});
+  args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
+  args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutKNope{}, Shape<Int<BN>, DN>{}, _1{});
+  args.tma_k_pe = make_tma_copy(SM90_TMA_LOAD{}, gKpe, typename Tr::SmemLayoutKPe{}, Shape<Int<BN>, DR>{}, _1{});
+  args.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
+  args.shape_q = gQ.shape();
+  args.shape_q_pe = gQpe.shape();
+  args.shape_do = gdO.shape();
+  args.shape_k = gK.shape();
+  args.shape_k_pe = gKpe.shape();
+  args.shape_v = gV.shape();
+  args.shape_dk_pe = gdKpe.shape();
+  args.rope = rope;
+  args.k_pe_shared = rope.k_pe_heads == 1 ? 1 : 0;
+  args.p.dkv_tma = tma_ok<Element>(p.dk, {p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride}) &&
+                   tma_ok<Element>(rope.dk_pe, {rope.dk_pe_row_stride, rope.dk_pe_head_stride, rope.dk_pe_batch_stride}) &&
+                   tma_ok<Element>(p.dv, {p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride});
+  if (args.p.dkv_tma) {
+    auto gdK = gmem_view<Element>(p.dk, rows_k, Dn, p.hkv, varlen, nb, p.dk_row_stride, p.dk_head_stride,
+                                  p.dk_batch_stride);
+    auto gdV = gmem_view<Element>(p.dv, rows_k, DV, p.hkv, varlen, nb, p.dv_row_stride, p.dv_head_stride,
+                                  p.dv_batch_stride);
+    args.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gdK, typename Tr::SmemLayoutKNope{}, Shape<Int<BN>, DN>{}, _1{});
+    args.tma_dk_pe = make_tma_copy(SM90_TMA_STORE{}, gdKpe, typename Tr::SmemLayoutKPe{}, Shape<Int<BN>, DR>{}, _1{});
+    args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
   }
-  return cudaSuccess;
+  return launch_kernels<T>(p, args, stream);
 }
 
 }  // namespace fmha_bwd_sm90

@@ -47,6 +47,24 @@ struct FmhaBwdSm90Params : FmhaProblemParams {
   bool dkv_tma;
 };
 
+// The rope parts of the MLA-native backward (fmha_bwd_sm90_run_mla_192_128), which reads MLA's split query and key
+// where they are and writes the key's gradient in two parts: FmhaBwdSm90Params then describes q_nope (B, Sq, Hq, 128)
+// / (Tq, Hq, 128) as q, k_nope (B, Sk, Hkv, 128) / (Tk, Hkv, 128) as k and dk_nope (k_nope's shape, any strides that
+// keep TMA's rules, e.g. the key half of a [dk_nope | dv] buffer) as dk, with head_dim_qk = 192 (dq stays whole,
+// (..., Hq, 192)); this struct the rope parts: q_pe (B, Sq, Hq, 64) / (Tq, Hq, 64), k_pe (B, Sk, 1 or Hkv, 64) /
+// (Tk, 1 or Hkv, 64), and dk_pe (B, Sk, Hkv, 64) / (Tk, Hkv, 64), the rope key's gradient per kv head (summed over the
+// heads by the caller when k_pe has one). Strides in elements, pointers and strides 16-byte aligned (batch strides
+// unused in varlen; the head stride of a one-head k_pe too).
+struct FmhaBwdSm90RopeParts {
+  const void* q_pe;
+  const void* k_pe;
+  void* dk_pe;
+  int64_t q_pe_row_stride, q_pe_head_stride, q_pe_batch_stride;
+  int64_t k_pe_row_stride, k_pe_head_stride, k_pe_batch_stride;
+  int64_t dk_pe_row_stride, dk_pe_head_stride, dk_pe_batch_stride;
+  int k_pe_heads;  // 1: one rope key shared by every kv head; else hkv
+};
+
 // Host-side launch options: what the test-only entry bwd_with_options can set (tests, benchmarks); bwd uses
 // the defaults. Never part of the kernels' parameters.
 struct FmhaBwdSm90Options {
@@ -65,5 +83,10 @@ cudaError_t fmha_bwd_sm90_run_192_128(const FmhaBwdSm90Params& p, const FmhaBwdS
                                       cudaStream_t stream);
 cudaError_t fmha_bwd_sm90_run_128_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes,
                                       cudaStream_t stream);
+// q_nope / q_pe and k_nope / k_pe read in place, dk written as dk_nope and dk_pe: the results of
+// fmha_bwd_sm90_run_192_128 on the concatenated q = [q_nope | q_pe], k = [k_nope | k_pe] (k_pe broadcast over the
+// kv heads when it has one), bit for bit, dk = [dk_nope | dk_pe].
+cudaError_t fmha_bwd_sm90_run_mla_192_128(const FmhaBwdSm90Params& p, const FmhaBwdSm90RopeParts& rope,
+                                          const FmhaBwdSm90Options& opt, int l2_bytes, cudaStream_t stream);
 cudaError_t fmha_bwd_sm90_run_64_64(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes,
                                     cudaStream_t stream);

@@ -25,6 +25,8 @@ struct Traits {
   static_assert((BN / 2) % 8 == 0 && (D / 2) % 16 == 0, "per-WG N tiles");
 
   using BMt = Int<BM>; using BNt = Int<BN>; using Dt = Int<D>; using DVt = Int<DV>;
+  // TraitsMla: Q and K come in two parts each and dK leaves in two (the MLA-native backward)
+  static constexpr bool kMla = false;
 
   // smem layouts. Q, dO, V: K-major SW128. K: K-major with a swizzle whose width divides D/2 (the
   // dQ GEMM reads K as an MN-major operand split at D/2 between the WGs). P^T, dS^T: (BN, BM)
@@ -130,7 +132,57 @@ struct Traits {
                                        SmemLayoutV{}, Shape<BNt, DVt>{}, _1{}));
 };
 
-template <class Tr>
+// The MLA-native 192/128 backward: Q = [q_nope | q_pe] and K = [k_nope | k_pe] read where they are, each part
+// through its own TMA descriptor, into the very smem tiles of Traits<Element, 192, 128> (the consumers, barriers
+// and transaction bytes are that kernel's), and dK stored as dk_nope and dk_pe. Both tiles are K-major chunks of
+// whole rows: Q's 128-byte swizzle makes 64-column chunks (chunk c of a stage at c * BM * 64 elements), K's 64-byte
+// swizzle 32-column chunks (chunk c at c * BN * 32), so columns 0..127 (nope) are the first 128 * rows elements of
+// a tile and the rope columns the rest, starting on a multiple of the swizzle period (1 KiB): each part is the
+// tile's layout restricted to its columns, at its own base. k_pe has one head (the rope key every kv head shares:
+// its descriptor's head extent is 1 and its head coordinate 0) or Hkv.
+template <class Element_>
+struct TraitsMla : Traits<Element_, 192, 128> {
+  using Base = Traits<Element_, 192, 128>;
+  using typename Base::BMt;
+  using typename Base::BNt;
+  using typename Base::GmemLayout;
+  static constexpr bool kMla = true;
+  static constexpr int kDn = 128, kDr = 64;
+  static constexpr int BM = Base::BM, BN = Base::BN, Stages = Base::Stages;
+  static_assert(kDn + kDr == Base::D && kDn % 64 == 0, "the nope/rope split falls on a swizzle chunk of Q and K");
+  static_assert((BM * kDn) % 512 == 0 && (BN * kDn) % 512 == 0, "each part starts on the swizzle period");
+  using DN = Int<kDn>;
+  using DR = Int<kDr>;
+
+  // Columns [0, W) of every Q stage and of the K tile as layouts of their own: the tile's layout composed with
+  // the column-major coordinates of a narrower tile (Q's stage stride stays the 192-column one). A rope part is
+  // the same layout at a pointer kDn columns (kDn * rows elements) into the tile.
+  template <int W>
+  using QCols = decltype(composition(typename Base::SmemLayoutQ{},
+                                     Layout<Shape<BMt, Int<W>, Int<Stages>>, Stride<_1, BMt, Int<BM * Base::D>>>{}));
+  template <int W>
+  using KCols = decltype(composition(typename Base::SmemLayoutK{}, Layout<Shape<BNt, Int<W>>, Stride<_1, BNt>>{}));
+  using SmemLayoutQNope = QCols<kDn>;
+  using SmemLayoutQPe = QCols<kDr>;
+  using SmemLayoutKNope = KCols<kDn>;
+  using SmemLayoutKPe = KCols<kDr>;
+
+  template <class Op, class SmemLayout, class Box>
+  using TmaOf = decltype(make_tma_copy(Op{}, make_tensor(make_gmem_ptr(static_cast<Element_ const*>(nullptr)),
+                                                         GmemLayout{}),
+                                       SmemLayout{}, Box{}, _1{}));
+  using TmaQNope = TmaOf<SM90_TMA_LOAD, decltype(take<0, 2>(SmemLayoutQNope{})), Shape<BMt, DN>>;
+  using TmaQPe = TmaOf<SM90_TMA_LOAD, decltype(take<0, 2>(SmemLayoutQPe{})), Shape<BMt, DR>>;
+  using TmaKNope = TmaOf<SM90_TMA_LOAD, SmemLayoutKNope, Shape<BNt, DN>>;
+  using TmaKPe = TmaOf<SM90_TMA_LOAD, SmemLayoutKPe, Shape<BNt, DR>>;
+  using TmadKNope = TmaOf<SM90_TMA_STORE, SmemLayoutKNope, Shape<BNt, DN>>;
+  using TmadKPe = TmaOf<SM90_TMA_STORE, SmemLayoutKPe, Shape<BNt, DR>>;
+};
+
+// The main kernel's arguments: the parameters, the TMA descriptors and the (rows, dim, head, batch) extents they
+// index. TraitsMla's: tma_q / tma_k / tma_dk (and shape_q / shape_k) over q_nope / k_nope / dk_nope, then the
+// rope parts (MainArgs<TraitsMla> below).
+template <class Tr, bool = Tr::kMla>
 struct MainArgs {
   FmhaBwdSm90Params p;
   typename Tr::TmaQ tma_q;
@@ -140,6 +192,24 @@ struct MainArgs {
   typename Tr::TmadK tma_dk;  // valid when p.dkv_tma
   typename Tr::TmadV tma_dv;
   typename Tr::GmemShape shape_q, shape_do, shape_k, shape_v;
+};
+
+template <class Tr>
+struct MainArgs<Tr, true> {
+  FmhaBwdSm90Params p;
+  typename Tr::TmaQNope tma_q;
+  typename Tr::TmadO tma_do;
+  typename Tr::TmaKNope tma_k;
+  typename Tr::TmaV tma_v;
+  typename Tr::TmadKNope tma_dk;  // valid when p.dkv_tma
+  typename Tr::TmadV tma_dv;
+  typename Tr::GmemShape shape_q, shape_do, shape_k, shape_v;
+  typename Tr::TmaQPe tma_q_pe;
+  typename Tr::TmaKPe tma_k_pe;
+  typename Tr::TmadKPe tma_dk_pe;  // valid when p.dkv_tma
+  typename Tr::GmemShape shape_q_pe, shape_k_pe, shape_dk_pe;
+  FmhaBwdSm90RopeParts rope;  // the register epilogue's dk_pe pointer and strides
+  int k_pe_shared;            // k_pe has one head: its head coordinate is 0 for every kv head
 };
 
 // ------------------------------------------------------------------------------------------------
