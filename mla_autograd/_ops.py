@@ -459,11 +459,12 @@ def _mla_attn_bwd(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_
                   lse: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                   max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    # an op's outputs may alias neither its inputs nor each other: the concatenated path's views of one dk are copied
+    # an op's outputs may alias neither its inputs nor each other (the concatenated path's dk_nope / dk_pe are views
+    # of one dk: copied), and leave in the layout the fake implementation promises (contiguous)
     dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q,
                                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                                 bottom_right, deterministic)
-    return dq, dk_nope.contiguous(), dk_pe.contiguous(), dv
+    return dq.contiguous(), dk_nope.contiguous(), dk_pe.contiguous(), dv.contiguous()
 
 
 mla_attn_bwd = torch.library.custom_op("mla_autograd::mla_attn_bwd", mutates_args=())(_mla_attn_bwd)
@@ -473,7 +474,9 @@ mla_attn_bwd = torch.library.custom_op("mla_autograd::mla_attn_bwd", mutates_arg
 def _(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, causal, bottom_right, deterministic):
     dq = q_nope.new_empty(*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1])
-    return dq, torch.empty_like(k_nope), torch.empty_like(k_pe), torch.empty_like(v)
+    dense = torch.contiguous_format
+    return (dq, torch.empty_like(k_nope, memory_format=dense), torch.empty_like(k_pe, memory_format=dense),
+            torch.empty_like(v, memory_format=dense))
 
 
 mla_attn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -282,6 +282,28 @@ def test_opcheck_mla_attn_fwd():
     assert out.shape == (1, 3, 2, 6) and lse.shape == (1, 2, 3)
 
 
+def test_opcheck_mla_attn_bwd():
+    """The backward op (what a compiled backward calls): schema, fake impl (dq whole, the other gradients in their
+    parts' shapes, contiguous) and the real outputs, dense and varlen, k_pe with one head and with Hkv, parts given
+    as strided views of one projection (the layer's layout)."""
+    op = torch.ops.mla_autograd.mla_attn_bwd.default
+    fwd = torch.ops.mla_autograd.mla_attn_fwd.default
+    for shared in (True, False):
+        for varlen in (False, True):
+            cu = _cu([3, 0, 4]) if varlen else None
+            parts = _parts(None if varlen else 2, 7 if varlen else 5, 7, 4, 2, 8, 4, 6, shared=shared,
+                           dtype=torch.float32, grad=False)
+            kv = torch.cat([parts[2], parts[4]], -1)  # k_nope / v as the halves of one projection
+            parts = (parts[0], parts[1], kv[..., :8], parts[3], kv[..., 8:])
+            seq = (cu, cu, 4, 4) if varlen else (None, None, 5, 7)
+            out, lse = fwd(*parts, *seq, 0.3, True, True)
+            dout = torch.randn_like(out)
+            torch.library.opcheck(op, (dout, *parts, out, lse, *seq, 0.3, True, True, False))
+            dq, dk_nope, dk_pe, dv = op(dout, *parts, out, lse, *seq, 0.3, True, True, False)
+            assert dq.shape == (*parts[0].shape[:-1], 12) and dk_pe.shape == parts[3].shape
+            assert all(t.is_contiguous() for t in (dq, dk_nope, dk_pe, dv))
+
+
 # ---------------------------------------------------------------- the native path's wiring (stand-in kernel module)
 
 class _StandInSm90:
