@@ -358,10 +358,13 @@ def _split_mla_grads(dq: Tensor, dk: Tensor, q_nope: Tensor, k_pe: Tensor) -> tu
     concat_mla_parts (the same views and the same head sum that autograd of cat and expand computes)."""
     dn = q_nope.shape[-1]
     dq_nope, dq_pe = dq[..., :dn], dq[..., dn:]
-    dk_nope, dk_pe = dk[..., :dn], dk[..., dn:]
-    if k_pe.shape[-2] != dk.shape[-2]:
-        dk_pe = dk_pe.sum(-2, keepdim=True)
-    return dq_nope, dq_pe, dk_nope, dk_pe
+    return dq_nope, dq_pe, dk[..., :dn], _rope_key_grad(dk[..., dn:], k_pe)
+
+
+def _rope_key_grad(dk_pe: Tensor, k_pe: Tensor) -> Tensor:
+    """k_pe's gradient from dk_pe (..., Hkv, Dr), the rope key's gradient per kv head: a one-head k_pe's is the sum
+    over the heads that shared it (what autograd through its expand computes), else dk_pe itself."""
+    return dk_pe.sum(-2, keepdim=True) if k_pe.shape[-2] != dk_pe.shape[-2] else dk_pe
 
 
 def _mla_attn_fwd(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor,
@@ -438,9 +441,7 @@ def _mla_attn_bwd_into(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tenso
         _build.load_family(d.family).bwd_mla(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse.contiguous(), dq, dk_nope,
                                              dk_pe, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale, causal, bottom_right, deterministic)
-        if k_pe.shape[-2] != k_nope.shape[-2]:
-            dk_pe = dk_pe.sum(-2, keepdim=True)
-        return dq, dk_nope, dk_pe, dv
+        return dq, dk_nope, _rope_key_grad(dk_pe, k_pe), dv
     q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
     # k is a new tensor here unless k_nope and k_pe lay side by side: then the kernel may write dk over it
     k_is_scratch = eager_direct(k, k_nope) and k.data_ptr() != k_nope.data_ptr()

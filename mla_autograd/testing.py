@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["naive_attention", "assert_error_within", "assert_bitwise", "random_paged_cache", "dense_mask", "BadVarlenCase",
+__all__ = ["naive_attention", "assert_error_within", "assert_bitwise", "init_layer_weights", "random_paged_cache", "dense_mask", "BadVarlenCase",
            "BAD_VARLEN_ROWS", "BAD_VARLEN_CASES", "varlen_expected", "bad_decode_case"]
 
 
@@ -87,6 +87,18 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     bad = int((a != e).sum())
     worst = (actual.double() - expected.double()).abs().max().item() if bad else 0.0
     assert bad == 0, f"{what}: {bad} of {a.numel()} elements differ in their bits (max |diff| {worst:g})"
+
+
+def init_layer_weights(layer: torch.nn.Module) -> None:
+    """Random weights for an MLA layer under test, drawn from the global generator in parameter order: the norms'
+    weights near 1 (1 + 0.1 N(0, 1)), every other parameter N(0, 1 / fan_in) (its last dim), so activations keep
+    unit scale through the projections."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
 
 
 def random_paged_cache(cache_seqlens, *, page_size: int, dim_ckv: int = 512, dim_kpe: int = 64,

@@ -222,14 +222,22 @@ def run_harness(dims: int, causal: bool, reps: int = 3) -> None:
               f"bench_one ({order[0][0]} first) {rows['mla_autograd']:.3f} / {rows['sdpa_cudnn']:.3f}")
 
 
+def trace_events(prof) -> list[dict]:
+    """The events of a finished torch.profiler run, as its Chrome trace lists them (written to a temporary file)."""
+    import json
+    import os
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
 def flushed_timeline(label: str, fn, iters: int = 20, flush_mb: int = 256) -> None:
     """The kernels of one call as bench_decode's timer sees it (triton do_bench: the L2 flushed by zeroing a
     256 MB buffer before every call): per kernel, the median start after the flush kernel ended and the
     median duration, and the median span from the flush's end to the call's last kernel end."""
-    import json
-    import os
     import statistics
-    import tempfile
     flush = torch.empty(flush_mb << 20, dtype=torch.int8, device="cuda")
     for _ in range(3):
         flush.zero_()
@@ -240,10 +248,7 @@ def flushed_timeline(label: str, fn, iters: int = 20, flush_mb: int = 256) -> No
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events = [e for e in trace_events(prof) if e.get("cat") == "kernel"]
     events.sort(key=lambda e: e["ts"])
     calls, cur = [], None
     for e in events:
@@ -275,19 +280,13 @@ def gap_timeline(label: str, fn, min_gap_us: float = 8.0, top: int = 25, full: b
     (cudaStreamSynchronize, cudaDeviceSynchronize, blocking memcpy) are listed with their host duration.
     full: every kernel in order, with its start, the gap before it and its launch time (host clock), all in
     us from the first kernel's start."""
-    import json
-    import os
-    import tempfile
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in trace_events(prof) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
     # launches by the runtime (cudaLaunchKernel) or the driver (cuLaunchKernel: cuBLAS, Triton)

@@ -25,7 +25,6 @@ Two execution paths:
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
 from typing import Any, Mapping
@@ -35,7 +34,7 @@ from torch import nn
 
 from .._ops import eager_direct, split_views
 from .cache import MLACache, _to_device
-from .rope import RotaryEmbedding, mla_softmax_scale
+from .rope import _HAS_TRITON, RotaryEmbedding, mla_softmax_scale
 
 __all__ = ["MultiHeadLatentAttention", "RMSNorm"]
 
@@ -68,8 +67,6 @@ _NORM_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NORM_KERNEL_DEVICE_TYPES = ("cuda",)
 #: The widest rows the kernels take (_rmsnorm_triton.MAX_N, repeated here so that the check imports no triton).
 _NORM_KERNEL_MAX_N = 8192
-# Looked up, not imported: `import mla_autograd.nn` does not import triton (the kernel module does, on first use)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _rows_stride(t: torch.Tensor) -> int | None:

@@ -18,14 +18,13 @@ repository root) it runs the kernels on CPU tensors against the torch ops (tests
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 
 import torch
 
 from mla_autograd.nn import MultiHeadLatentAttention, RMSNorm
 from mla_autograd.nn import mla as mla_mod
-from mla_autograd.testing import assert_bitwise, assert_error_within
+from mla_autograd.testing import assert_bitwise, assert_error_within, init_layer_weights
 
 #: How x lies in memory (see norm_inputs); the kernels read each in place.
 LAYOUTS = ("contiguous", "column_slice", "every_other_row")
@@ -291,12 +290,7 @@ def check_layer_paths(device, dtype, *, dims: dict, T: int, packed: bool = False
     the torch-norm layer's error (plus _floor)."""
     torch.manual_seed(0)
     ref = MultiHeadLatentAttention(**dims).double()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "layernorm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    init_layer_weights(ref)
     m = MultiHeadLatentAttention(**dims).to(device, dtype)
     m.load_state_dict(ref.state_dict())
     hidden = dims["hidden_size"]

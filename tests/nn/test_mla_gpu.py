@@ -9,6 +9,7 @@ import torch
 
 from mla_autograd.nn import MultiHeadLatentAttention
 from mla_autograd.nn import mla as mla_mod
+from mla_autograd.testing import init_layer_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,12 +38,7 @@ class _NaiveAPI:
 def _layers(hidden=512, heads=16, seed=0):
     torch.manual_seed(seed)
     ref = MultiHeadLatentAttention(hidden, heads, **DIMS).double()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "layernorm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    init_layer_weights(ref)
     m = MultiHeadLatentAttention(hidden, heads, **DIMS).to("cuda", torch.bfloat16)
     m.load_state_dict(ref.state_dict())
     return ref, m
