@@ -24,16 +24,11 @@ __device__ __forceinline__ bool dkv_tma_ok(const FmhaBwdSm90Params& p, int n_blo
   return p.dkv_tma && (n_block + 1) * Tr::BN <= len_k;
 }
 
-// The TMA store of one tile (or one part of an MLA-native dK tile, TraitsMla) from the smem at `base`, laid out as
-// `smem_layout` ((R, C)), to rows [block * R, (block + 1) * R) after `offset` of head `head`, batch `bcoord` of the
-// tensor `tma` describes (extents `gshape`).
+// The TMA store of one tile (or one part of an MLA-native dK tile) from smem: see tma_tile_part.
 template <class Tma, class GShape, class SmemLayout, class Element>
 __device__ __forceinline__ void store_tile_part(const Tma& tma, const GShape& gshape, const SmemLayout& smem_layout,
                                                 Element* base, int offset, int block, int head, int bcoord) {
-  Tensor s = make_tensor(make_smem_ptr(base), smem_layout);
-  Tensor m = domain_offset(make_coord(offset, _0{}), tma.get_tma_tensor(gshape)(_, _, head, bcoord));
-  Tensor g = local_tile(m, product_each(shape(smem_layout)), make_coord(block, _0{}));
-  auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  auto [tg, ts] = tma_tile_part(tma, gshape, smem_layout, base, offset, block, head, bcoord);
   copy(tma, ts, tg);
 }
 

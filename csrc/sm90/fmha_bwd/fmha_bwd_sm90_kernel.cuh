@@ -46,18 +46,12 @@ namespace fmha_bwd_sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
-// One tile (or one part of an MLA-native tile) by TMA: rows [block * R, (block + 1) * R) after `offset` (the
-// sequence's first row) of head `head`, batch `bcoord` of the tensor `tma` describes (extents `gshape`), into
-// the smem at `base` laid out as `smem_layout` ((R, C); for a part, the tile's layout restricted to its columns,
-// TraitsMla), counted on `bar`.
+// The load of one tile (or one part of an MLA-native tile) by TMA, counted on `bar`: see tma_tile_part.
 template <class Tma, class GShape, class SmemLayout, class Element>
 __device__ __forceinline__ void load_tile_part(const Tma& tma, const GShape& gshape, const SmemLayout& smem_layout,
                                                Element* base, uint64_t& bar, int offset, int block, int head,
                                                int bcoord) {
-  Tensor s = make_tensor(make_smem_ptr(base), smem_layout);
-  Tensor m = domain_offset(make_coord(offset, _0{}), tma.get_tma_tensor(gshape)(_, _, head, bcoord));
-  Tensor g = local_tile(m, product_each(shape(smem_layout)), make_coord(block, _0{}));
-  auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  auto [tg, ts] = tma_tile_part(tma, gshape, smem_layout, base, offset, block, head, bcoord);
   copy(tma.with(bar), tg, ts);
 }
 

@@ -213,6 +213,20 @@ struct MainArgs<Tr, true> {
 };
 
 // ------------------------------------------------------------------------------------------------
+// The TMA partition of one tile (or one part of an MLA-native tile): rows [block * R, (block + 1) * R) after `offset`
+// (the sequence's first row) of head `head`, batch `bcoord` of the tensor `tma` describes (extents `gshape`), and the
+// smem at `base` laid out as `smem_layout` ((R, C); for a part, the tile's layout restricted to its columns,
+// TraitsMla). Returns (gmem side, smem side), for a load (load_tile_part) or a store (store_tile_part).
+template <class Tma, class GShape, class SmemLayout, class Element>
+__device__ __forceinline__ auto tma_tile_part(const Tma& tma, const GShape& gshape, const SmemLayout& smem_layout,
+                                              Element* base, int offset, int block, int head, int bcoord) {
+  Tensor s = make_tensor(make_smem_ptr(base), smem_layout);
+  Tensor m = domain_offset(make_coord(offset, _0{}), tma.get_tma_tensor(gshape)(_, _, head, bcoord));
+  Tensor g = local_tile(m, product_each(shape(smem_layout)), make_coord(block, _0{}));
+  return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+}
+
+// ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
