@@ -181,6 +181,10 @@ CUTE_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// x as lane 0 of the warp holds it. For a value every lane holds alike (a ring stage, say) that the compiler cannot
+// prove warp-uniform: what it derives from the result (a wgmma smem descriptor) it computes in uniform registers.
+CUTE_DEVICE int uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 CUTE_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));

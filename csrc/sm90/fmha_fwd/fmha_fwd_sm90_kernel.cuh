@@ -264,10 +264,18 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < R; ++r) {
       float m_old = row_max[r];
-      float mx = m_old;
+      // The row max in four independent chains (a max is exact in any order): one chain of 32 dependent
+      // FMNMX per row was the softmax's longest latency path.
+      constexpr int kCols = decltype(size<1>(S))::value;
+      static_assert(kCols % 4 == 0);
+      float mx4[4] = {m_old, S(r, 0), S(r, 1), S(r, 2)};
+      mx4[0] = fmaxf(mx4[0], S(r, 3));
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(r, j));
-      mx = quad_max(mx);
+      for (int j = 4; j < kCols; j += 4) {
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) mx4[i] = fmaxf(mx4[i], S(r, j + i));
+      }
+      float mx = quad_max(fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3])));
       row_max[r] = mx;
       // A row with no visible key so far keeps -inf; subtract 0 then so p = exp2(-inf) = 0, no NaN.
       float mc = (mx == -INFINITY) ? 0.f : mx * c;
@@ -443,10 +451,17 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
     typename KT::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
     auto thr_pv = mma_pv.get_thread_slice(tid);
+    // The smem operands' descriptors depend on the warpgroup alone: partitioned for the warpgroup's first thread,
+    // from canonical_warp_group_idx (broadcast from lane 0, so the compiler knows it is warp-uniform), they are
+    // computed in uniform registers. Partitioned by `tid`, every descriptor was computed per thread and moved to
+    // a uniform register before each wgmma (R2UR alone was 11% of the executed instructions). The ring stages
+    // that index tSrK / tOrV go through uniform() for the same reason.
+    auto wg_qk = mma_qk.get_thread_slice((wg_idx - 1) * 128);
+    auto wg_pv = mma_pv.get_thread_slice((wg_idx - 1) * 128);
 
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<BM, BN>{});
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<BM, DV>{});
     Tensor tOrP = make_tensor<Element>(acc_to_A_regs(tSrS.layout()));
@@ -501,7 +516,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         // ---- first (last-index) key block: peeled, no PV yet ----
         int n = n_max - 1;
         TxBarrier::wait(&ss.full_k[stage], phase);
-        wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
+        wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, uniform(stage)), tSrS, true);
         warpgroup_wait<0>();
         release(&ss.empty_k[stage]);
         if (n == n_min) release(&ss.empty_q);  // the tile's last QK has read Q
@@ -516,14 +531,22 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         // ---- steady state: QK(n) and PV(n+1) in flight together ----
         for (n = n_max - 2; n >= n_min; --n) {
           TxBarrier::wait(&ss.full_k[stage], phase);
-          wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS, true);
+          wg_gemm<false>(mma_qk, tSrQ, tSrK(_, _, _, uniform(stage)), tSrS, true);
           TxBarrier::wait(&ss.full_v[v_stage], v_phase);
-          wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
+          wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, uniform(v_stage)), tOrO, first_pv);
           warpgroup_wait<1>();
           release(&ss.empty_k[stage]);
           if (n == n_min) release(&ss.empty_q);
-          if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
-          sm.step(S_rc, c, alpha);
+          // The softmax is written out in both arms of the mask branch, so that it ends the branch's basic
+          // block and PV(n+1)'s wait opens the next one. ptxas moves a wgmma wait to the top of the basic block
+          // that holds it: with one softmax after the branch (in the wait's block), the SASS waited for
+          // PV(n+1) before the softmax, and the softmax never ran under this warpgroup's own PV.
+          if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) {
+            apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
+            sm.step(S_rc, c, alpha);
+          } else {
+            sm.step(S_rc, c, alpha);
+          }
           warpgroup_wait<0>();
           release(&ss.empty_v[v_stage]);
           rescale_o();
@@ -536,7 +559,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
 
         // ---- last PV ----
         TxBarrier::wait(&ss.full_v[v_stage], v_phase);
-        wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO, first_pv);
+        wg_gemm<true>(mma_pv, tOrP, tOrV(_, _, _, uniform(v_stage)), tOrO, first_pv);
         warpgroup_wait<0>();
         release(&ss.empty_v[v_stage]);
       }
