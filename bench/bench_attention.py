@@ -35,10 +35,12 @@ varlen rows also lengths_kind, max_seqlen. Times fwd_ms, bwd_ms, fwd_bwd_ms (med
 (the output against the workload's first implementation); error where an implementation could not run.
 
     python bench/bench_attention.py                # the anchor workloads, then the varlen ones
-    python bench/bench_attention.py --sweep        # + S = 1k..16k at 16k tokens per batch (192/128)
+    python bench/bench_attention.py --sweep        # + S = 1k..16k at 16k tokens per batch (192/128), and the
+                                                   #   MLA layer's shape (B=1 H=128 S=4096, 192/128)
     python bench/bench_attention.py --quick        # S = 4096 only; varlen: "longtail" only
     python bench/bench_attention.py --varlen       # only the varlen workloads (--no-varlen: only the dense ones)
     python bench/bench_attention.py --peers fa4    # FlashAttention-4 (flash_attn.cute) as the only peer
+    python bench/bench_attention.py --peers fa4,cudnn  # and cuDNN ("cudnn" names sdpa_cudnn)
     python bench/bench_attention.py --out run.json # this run alone to run.json (+ run.png), not to the store
     python bench/bench_attention.py --replot       # only redraw bench/results/attention.png (the latest run)
 Adds the run to the results store bench/results/attention.json (bench/store.py: one row per workload and
@@ -188,6 +190,9 @@ def ours_varlen(q, k, v, cu, max_seqlen, causal, scale):
 OURS, OURS_KERNEL = "mla_autograd", "mla_autograd_kernel"  # the public call; its kernels alone (varlen)
 PEERS = ("sdpa_cudnn", "sdpa_flash", "sdpa_mem_efficient", "flex_attention", "fa4")
 DEFAULT_PEERS = PEERS[:4]  # fa4 only when --peers names it
+PEER_ALIASES = {"cudnn": "sdpa_cudnn"}  # --peers names
+# The attention of nn.MultiHeadLatentAttention at DeepSeek-V3's dims: (B, H, S, Dqk, Dv); --sweep adds it.
+LAYER_SHAPE = (1, 128, 4096, 192, 128)
 BSHD_IMPLS = (OURS, "fa4")  # take (B, S, H, D) inputs; the others (B, H, S, D)
 VARLEN_PEERS = {"fa4": _fa4_varlen}
 
@@ -437,14 +442,16 @@ def workload_text(r: dict) -> str:
     mask = "causal" if r["causal"] else "full"
     if r.get("case") == "varlen":
         return f"{r['lengths_kind']} {mask} B{r['B']} max{r['max_seqlen']}"
-    return f"{r['dqk']}/{r['dv']} {mask} B{r['B']} S{r['S']}"
+    heads = "" if r["H"] == 16 else f" H{r['H']}"
+    return f"{r['dqk']}/{r['dv']} {mask} B{r['B']}{heads} S{r['S']}"
 
 
 def _workload_label(r: dict) -> str:
     c = " c" if r["causal"] else ""
     if r.get("case") == "varlen":
         return f"{r['lengths_kind']}{c}\nB={r['B']} max={r['max_seqlen']}"
-    return f"{r['dqk']}/{r['dv']}{c}\nS={r['S']} B={r['B']}"
+    heads = "" if r["H"] == 16 else f" H={r['H']}"
+    return f"{r['dqk']}/{r['dv']}{c}\nS={r['S']} B={r['B']}{heads}"
 
 
 def plot(rows, path):
@@ -592,7 +599,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     ap.add_argument("--peers", default=None,
-                    help=f"comma-separated subset of {','.join(PEERS)} (default {','.join(DEFAULT_PEERS)}); the "
+                    help=f"comma-separated subset of {','.join(PEERS)} (default {','.join(DEFAULT_PEERS)}; "
+                         f"'cudnn' names sdpa_cudnn); the "
                          f"varlen workloads time those with a varlen function ({','.join(VARLEN_PEERS)})")
     ap.add_argument("--flex-dims", default=None, help="only run FlexAttention for this Dqk (it compiles per shape)")
     ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
@@ -600,7 +608,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.varlen and args.no_varlen:
         ap.error("--varlen and --no-varlen exclude each other")
-    peer_names = args.peers.split(",") if args.peers else None
+    peer_names = [PEER_ALIASES.get(n, n) for n in args.peers.split(",")] if args.peers else None
     unknown = [n for n in peer_names or () if n not in PEERS]
     if unknown:
         ap.error(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(PEERS)})")
@@ -616,6 +624,7 @@ def main(argv=None):
     shapes = [(2, 16, S, d, dv, c) for d, dv in ((192, 128), (128, 128)) for c in (False, True)]
     if args.sweep:
         shapes += [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
+        shapes += [(*LAYER_SHAPE, c) for c in (False, True)]
     if args.varlen:
         shapes = []
     kinds = () if args.no_varlen else ("longtail",) if args.quick else VARLEN_KINDS

@@ -285,6 +285,22 @@ def test_varlen_only_quick_and_peers(bench, monkeypatch, tmp_path):
         bench.main(["--peers", "fa5"])
 
 
+def test_sweep_adds_the_s_sweep_and_the_layer_shape_and_cudnn_names_sdpa_cudnn(bench, monkeypatch, tmp_path):
+    dense_calls, peer_names = [], []
+    monkeypatch.setattr(bench, "bench_one", lambda *a, **k: dense_calls.append(a[:6]) or [])
+    monkeypatch.setattr(bench, "peers", lambda names=None: peer_names.append(names) or {"sdpa_cudnn": None})
+    bench.main(["--sweep", "--no-varlen", "--no-bwd", "--rounds", "1", "--no-power", "--peers", "fa4,cudnn",
+                "--out", str(tmp_path / "s.json")])
+    assert peer_names == [["fa4", "sdpa_cudnn"]]
+    anchors = [(2, 16, 8192, d, dv, c) for d, dv in ((192, 128), (128, 128)) for c in (False, True)]
+    sweep = [(16384 // s, 16, s, 192, 128, c) for s in (1024, 2048, 4096, 16384) for c in (False, True)]
+    layer = [(1, 128, 4096, 192, 128, c) for c in (False, True)]
+    assert dense_calls == anchors + sweep + layer
+    row = {"case": "dense", "B": 1, "H": 128, "S": 4096, "dqk": 192, "dv": 128, "causal": True}
+    assert bench.workload_text(row) == "192/128 causal B1 H128 S4096"
+    assert bench.workload_text(dict(row, H=16, B=4)) == "192/128 causal B4 S4096"
+
+
 def test_annotate_api_over_kernel_pairs_rows_by_workload(bench):
     def row(impl, kind, causal, **times):
         return dict(bench.varlen_row(impl, kind, bench.varlen_lengths(kind), 16, 192, 128, causal), **times)
