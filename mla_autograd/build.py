@@ -6,6 +6,9 @@ the compiler output. CI uses it to compile-check kernels that cannot run on its 
 needs nvcc and the CUTLASS headers, not a GPU. ``--check-images`` then lists each built module's
 cubins and PTX with cuobjdump and fails unless every build target of the family is in it (the
 dispatch table routes a capability to a family only where one of those targets loads).
+``--check-sass`` disassembles the modules of the families that have SASS rules (``SASS_RULES``) and fails on a
+kernel that breaks one: properties of the machine code that the tests cannot see (they still pass when a
+compiler or a source change loses one; the kernel only gets slower).
 """
 from __future__ import annotations
 
@@ -66,6 +69,83 @@ def missing_images(fam, path: str, cuobjdump: str) -> list[str]:
     return missing
 
 
+# --check-sass. Each rule reads one kernel's instructions (the text of each SASS line up to its ';', predicate
+# included) and returns what is wrong with them, or None.
+_LOCAL = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
+
+
+def _no_local_memory(name: str, ins: list[str]) -> str | None:
+    """Registers spilled to local memory (LDL / STL): ptxas -v reports them as spill stores and loads."""
+    n = sum(1 for i in ins if _LOCAL.match(i))
+    return f"{n} local-memory instructions (LDL/STL)" if n else None
+
+
+def _wgmma_pipelined(name: str, ins: list[str]) -> str | None:
+    """ptxas serialises a kernel's wgmma (a wait after every HGMMA) where it cannot prove the asynchronous
+    pipeline safe, e.g. when an accumulator is written by other instructions while a wgmma is in flight."""
+    hgmma = sum(1 for i in ins if "HGMMA" in i)
+    waits = sum(1 for i in ins if "WARPGROUP.DEPBAR" in i)
+    if hgmma and waits * 4 > hgmma:
+        return f"wgmma serialised: {waits} WARPGROUP.DEPBAR for {hgmma} HGMMA"
+    return None
+
+
+def _softmax_under_pv(name: str, ins: list[str]) -> str | None:
+    """The forward's steady state: the softmax's exponentials between the wait for QK(n) (DEPBAR.LE gsb0, 0x1)
+    and the wait for PV(n+1) (0x0), so that they run under this warpgroup's own PV. ptxas puts a wgmma wait at
+    the top of its basic block (docs/kernels/fmha_fwd_sm90.md, "Keeping the schedule in the SASS")."""
+    if "fmha_fwd_sm90_kernel" not in name:
+        return None
+    best = 0
+    for k, i in enumerate(ins):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in i:
+            n = 0
+            for j in ins[k + 1:]:
+                if "WARPGROUP.DEPBAR" in j:
+                    break
+                n += "MUFU.EX2" in j
+            best = max(best, n)
+    return None if best >= 32 else f"at most {best} MUFU.EX2 between the QK and the PV waits of the main loop"
+
+
+SASS_RULES = {
+    "fmha_fwd_sm90": (_no_local_memory, _wgmma_pipelined, _softmax_under_pv),
+    "fmha_bwd_sm90": (_no_local_memory, _wgmma_pipelined),
+}
+
+_FUNCTION = re.compile(r"^\s*Function : (\S+)")
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+([^;]*);")
+
+
+def kernel_sass(path: str, cuobjdump: str) -> dict[str, list[str]]:
+    """{kernel (mangled) name: its instructions} of every cubin in a module file (cuobjdump -sass); a kernel
+    that several cubins hold appears once per cubin under the same name, the later one kept."""
+    text = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+    kernels: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            current = kernels.setdefault(m.group(1), [])
+            current.clear()
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            current.append(" ".join(m.group(1).split()))
+    return kernels
+
+
+def sass_problems(family: str, kernels: dict[str, list[str]]) -> list[str]:
+    """'kernel: what is wrong' for each kernel of the family's module that breaks one of its SASS_RULES."""
+    out = []
+    for name, ins in sorted(kernels.items()):
+        for rule in SASS_RULES.get(family, ()):
+            why = rule(name, ins)
+            if why:
+                out.append(f"{name}: {why}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mla_autograd.build", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="*", default=None,
@@ -77,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip (instead of failing on) families that have no sources yet")
     ap.add_argument("--check-images", action="store_true",
                     help="after building, check with cuobjdump that each module has a cubin or PTX per target")
+    ap.add_argument("--check-sass", action="store_true",
+                    help="after building, check the SASS of the families that have rules (SASS_RULES)")
     args = ap.parse_args(argv)
 
     fams = [FAMILIES[n] for n in (args.family or sorted(FAMILIES))]
@@ -117,6 +199,21 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 elf, ptx = module_images(path, tool)
                 print(f"     images: {' '.join(sorted(elf | ptx))}")
+        if args.check_sass and fam.name in SASS_RULES:
+            tool = find_cuobjdump()
+            path = getattr(module, "__file__", None)
+            if tool is None or path is None:
+                print(f"FAIL {fam.name}: --check-sass needs cuobjdump (CUDA toolkit or Triton) and the module file")
+                failed.append(fam.name)
+                continue
+            kernels = kernel_sass(path, tool)
+            problems = sass_problems(fam.name, kernels) if kernels else ["no SASS found"]
+            if problems:
+                print(f"FAIL {fam.name}: SASS rules broken:\n     " + "\n     ".join(problems))
+                failed.append(fam.name)
+            else:
+                rules = ", ".join(r.__name__.lstrip("_").replace("_", " ") for r in SASS_RULES[fam.name])
+                print(f"     sass: {len(kernels)} kernels keep: {rules}")
     if failed:
         print(f"mla_autograd.build: {len(failed)} famil{'y' if len(failed) == 1 else 'ies'} failed: {' '.join(failed)}")
         return 1

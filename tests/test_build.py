@@ -146,3 +146,64 @@ def test_image_check_on_a_real_object(tmp_path):
     subprocess.run(["nvcc", *fam.gencode_flags(), "-c", str(src), "-o", str(obj)], check=True, timeout=300)
     assert build.missing_images(fam, str(obj), tool) == []
     assert build.missing_images(_build.FAMILIES["fmha_fwd_sm90"], str(obj), tool) == ["sm_90a"]
+
+
+SASS_LISTING = """
+\tcode for sm_90a
+\t\tFunction : _ZN8mla_sm9020fmha_fwd_sm90_kernelIfEEvv
+\t.headerflags\t@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                                  /* 0x00000a00ff017b82 */
+                                                                                           /* 0x000fe20000000800 */
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88, gsb0 ;   /* 0x01e0000008587df0 */
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR4].tnspB, R24, gsb0 ;  /* 0x0 */
+        /*0030*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                         /* 0x00008000000079c5 */
+{loop}
+        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                         /* 0x00008000000079c5 */
+        /*0070*/              @!P0 BRA 0x30 ;                                              /* 0x0000007800b08947 */
+        /*0080*/                   EXIT ;                                                  /* 0x000000000000794d */
+\t\t..........
+\t\tFunction : _ZN8mla_sm9012postprocessEv
+        /*0000*/                   STL [R1], R2 ;                                          /* 0x0 */
+        /*0010*/                   EXIT ;                                                  /* 0x0 */
+"""
+FWD = "_ZN8mla_sm9020fmha_fwd_sm90_kernelIfEEvv"
+POST = "_ZN8mla_sm9012postprocessEv"
+
+
+def _sass(loop: str) -> str:
+    return SASS_LISTING.replace("{loop}", loop)
+
+
+def test_kernel_sass_reads_cuobjdump_listings(monkeypatch):
+    """--check-sass: cuobjdump -sass's listing split into kernels, one instruction per entry, predicate kept."""
+    import subprocess
+    listing = _sass("        /*0040*/                   MUFU.EX2 R3, R3 ;   /* 0x0 */")
+    monkeypatch.setattr(build.subprocess, "run",
+                        lambda cmd, capture_output, text: subprocess.CompletedProcess(cmd, 0, listing, ""))
+    kernels = build.kernel_sass("m.so", "cuobjdump")
+    assert sorted(kernels) == sorted([FWD, POST])
+    assert kernels[FWD][0] == "LDC R1, c[0x0][0x28]" and "@!P0 BRA 0x30" in kernels[FWD]
+    assert kernels[POST] == ["STL [R1], R2", "EXIT"]
+
+
+def test_sass_rules_catch_what_they_name():
+    """Each rule on a kernel that keeps it and on one that breaks it (the shapes the real SASS took: a spill,
+    a serialised wgmma pipeline, the PV wait hoisted above the softmax)."""
+    ex2 = ["MUFU.EX2 R3, R3"] * 40
+    good = ["HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88, gsb0"] * 20 + [
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FMNMX R1, R2, R3, !PT", *ex2, "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert build.sass_problems("fmha_fwd_sm90", {FWD: good}) == []
+    hoisted = good[:21] + ["FMNMX R1, R2, R3, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", *ex2]
+    (why,) = build.sass_problems("fmha_fwd_sm90", {FWD: hoisted})
+    assert "0 MUFU.EX2 between the QK and the PV waits" in why
+    serialised = [x for _ in range(20) for x in ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88, gsb0",
+                                                  "WARPGROUP.DEPBAR.LE gsb0, 0x0")] + good[20:]
+    (why,) = build.sass_problems("fmha_fwd_sm90", {FWD: serialised})
+    assert "wgmma serialised: 22 WARPGROUP.DEPBAR for 20 HGMMA" in why
+    spilled = good + ["@!P1 LDL.64 R4, [R1+0x8]", "STL [R1], R2", "LDLIKE R1"]
+    (why,) = build.sass_problems("fmha_fwd_sm90", {FWD: spilled})
+    assert "2 local-memory instructions" in why
+    # the backward has no softmax rule; kernels other than the forward's main kernel are not held to it
+    assert build.sass_problems("fmha_bwd_sm90", {FWD: hoisted}) == []
+    assert build.sass_problems("fmha_fwd_sm90", {POST: ["EXIT"]}) == []
+    assert build.sass_problems("mla_decode_sm80", {POST: ["STL [R1], R2"]}) == []  # no rules for that family

@@ -43,7 +43,7 @@ say "== build (ptxas -v)"; t=$(date +%s)
 # single phase of this script. BUILD_FAMILIES narrows it (default: every family for sm_80/sm_90a).
 FAMS="${BUILD_FAMILIES:-$(python3 -c "from mla_autograd._build import FAMILIES as F; print(' '.join(n for n, f in sorted(F.items()) if any(f.matches_arch(a) for a in ('sm_80', 'sm_90a'))))")}"
 for fam in $FAMS; do
-  timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --family "$fam" --ptxas-verbose >"$WORK/build_$fam.log" 2>&1 &
+  timeout "${BUILD_BUDGET:-300}" python3 -m mla_autograd.build --family "$fam" --ptxas-verbose --check-sass >"$WORK/build_$fam.log" 2>&1 &
 done
 wait
 cat "$WORK"/build_*.log >"$WORK/build.log" 2>/dev/null
