@@ -26,12 +26,13 @@ if ! python3 -c "import cutlass_library" 2>/dev/null; then
   [ -n "${CUTLASS_WHEEL:-}" ] || { echo "nvidia-cutlass is not installed: pip install it, or set CUTLASS_WHEEL"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" $CUTLASS_WHEEL || exit 1
 fi
-export PYTHONPATH="$SITE:$PWD" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
+CALLER_PATH="${PYTHONPATH:+:$PYTHONPATH}"  # where the caller found nvidia-cutlass (the check above), kept
+export PYTHONPATH="$SITE:$PWD$CALLER_PATH" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
 FAMILY="${FAMILY:-fmha_bwd_sm90}"
 if [ -z "${SAME_BUILD:-}" ]; then
   [ -d "$BASE" ] || { echo "no $BASE/ with baseline files"; exit 1; }
   rm -rf "$WORKD/A" && mkdir -p "$WORKD/A" && cp -r mla_autograd csrc bench tests tools "$WORKD/A/" && cp -r "$BASE/." "$WORKD/A/"
-  (cd "$WORKD/A" && PYTHONPATH="$SITE:$WORKD/A" MLA_AUTOGRAD_CACHE="$WORKD/cache_A" python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
+  (cd "$WORKD/A" && PYTHONPATH="$SITE:$WORKD/A$CALLER_PATH" MLA_AUTOGRAD_CACHE="$WORKD/cache_A" python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
 fi
 MLA_AUTOGRAD_CACHE="$WORKD/cache_B" python3 -m mla_autograd.build --family "$FAMILY" --ptxas-verbose >"$OUTD/build_B.log" 2>&1 &
 for f in ${EXTRA_FAMILIES:-}; do MLA_AUTOGRAD_CACHE="$WORKD/cache_B" python3 -m mla_autograd.build --family "$f" >"$OUTD/build_$f.log" 2>&1 & done
@@ -47,7 +48,7 @@ for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
     envs="${ENV_A:-}"
     if [ -n "${SAME_BUILD:-}" ]; then cache="$WORKD/cache_B"; else d="$WORKD/A"; fi
   fi
-  (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="$SITE:$d" MLA_AUTOGRAD_CACHE="$cache" timeout 150 python3 tools/profile_ops.py --kernel-only \
+  (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="$SITE:$d$CALLER_PATH" MLA_AUTOGRAD_CACHE="$cache" timeout 150 python3 tools/profile_ops.py --kernel-only \
      ${PROFILE:---bwd 192 causal} >"$OUTD/prof_$v$r.txt" 2>&1)
   echo "== $v round $r"
   grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq|^decode |mla_decode_" "$OUTD/prof_$v$r.txt" \
