@@ -185,32 +185,30 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(fam.name)
             continue
         print(f"OK   {fam.name} for {' '.join(fam.targets)} ({time.time() - t0:.0f} s)")
+        check_sass = args.check_sass and fam.name in SASS_RULES
+        if not (args.check_images or check_sass):
+            continue
+        tool, path = find_cuobjdump(), getattr(module, "__file__", None)
+        if tool is None or path is None:
+            print(f"FAIL {fam.name}: --check-images / --check-sass need cuobjdump (CUDA toolkit or Triton) and the "
+                  f"module file ({path})")
+            failed.append(fam.name)
+            continue
         if args.check_images:
-            tool = find_cuobjdump()
-            if tool is None:
-                print(f"FAIL {fam.name}: --check-images needs cuobjdump (CUDA toolkit or Triton)")
-                failed.append(fam.name)
-                continue
-            path = getattr(module, "__file__", None)
-            lacks = missing_images(fam, path, tool) if path else ["(module file not found)"]
+            lacks = missing_images(fam, path, tool)
             if lacks:
                 print(f"FAIL {fam.name}: {path} has no image for {' '.join(lacks)}")
                 failed.append(fam.name)
             else:
                 elf, ptx = module_images(path, tool)
                 print(f"     images: {' '.join(sorted(elf | ptx))}")
-        if args.check_sass and fam.name in SASS_RULES:
-            tool = find_cuobjdump()
-            path = getattr(module, "__file__", None)
-            if tool is None or path is None:
-                print(f"FAIL {fam.name}: --check-sass needs cuobjdump (CUDA toolkit or Triton) and the module file")
-                failed.append(fam.name)
-                continue
+        if check_sass:
             kernels = kernel_sass(path, tool)
             problems = sass_problems(fam.name, kernels) if kernels else ["no SASS found"]
             if problems:
                 print(f"FAIL {fam.name}: SASS rules broken:\n     " + "\n     ".join(problems))
-                failed.append(fam.name)
+                if fam.name not in failed:
+                    failed.append(fam.name)
             else:
                 rules = ", ".join(r.__name__.lstrip("_").replace("_", " ") for r in SASS_RULES[fam.name])
                 print(f"     sass: {len(kernels)} kernels keep: {rules}")
