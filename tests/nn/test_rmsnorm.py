@@ -4,7 +4,6 @@ torch.compile and for tensor subclasses), the Function's gradient and double bac
 the kernels' formulas as torch ops in their place), the kernels themselves under Triton's interpreter, and
 their build for an H100 (sm_90)."""
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from mla_autograd.nn import mla as mla_mod
 from mla_autograd.testing import assert_bitwise
 
 from rmsnorm_cases import kernel_formulas_backward, kernel_formulas_forward, torch_rms_norm
+from triton_interpreter import run_cases_script
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (ships with torch)")
@@ -181,12 +181,7 @@ def test_kernels_under_the_interpreter():
     """The Triton kernels themselves, run on CPU tensors by Triton's interpreter in a fresh process (the
     interpreter is chosen when the kernel module is imported), float32/float16: see
     rmsnorm_cases.interpreter_main."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "nn"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests" / "nn" / "rmsnorm_cases.py")], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "layer forward/backward" in r.stdout, r.stdout
+    run_cases_script("rmsnorm_cases.py")
 
 
 def _compile_for_sm90(direction: str, n: int, dtype: str):

@@ -3,9 +3,7 @@ mla_autograd::rotary op's gradient is the transposed rotation (float64 gradcheck
 (opcheck, torch.compile), which calls the Triton kernel takes, and the kernel itself under Triton's
 interpreter."""
 import importlib.util
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,8 @@ from mla_autograd.nn import rope as rope_mod
 from mla_autograd.testing import assert_bitwise
 
 from rope_cases import LAYOUTS, check_case, reference_rotary, rope_inputs
+from triton_interpreter import run_cases_script
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
@@ -144,12 +142,7 @@ def test_triton_kernel_under_the_interpreter():
     """The Triton kernel itself, run on CPU tensors by Triton's interpreter in a fresh process (the interpreter
     is chosen when the kernel module is imported): bit-identical to the torch ops for float32/float16 through
     apply_rotary and the layer, and for bfloat16 into float32 outputs (see rope_cases.interpreter_main)."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "nn"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests" / "nn" / "rope_cases.py")], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "layer forward/backward" in r.stdout, r.stdout
+    run_cases_script("rope_cases.py")
 
 
 ROWS_PER_PROGRAM = 32  # what `rotate` picks for the layer's query: 8192 elements // (128 kept + 64), a power of 2
