@@ -1,7 +1,9 @@
 """MLA's split query / key as the GPU tests of the MLA-native SM90 kernels make them (test_fmha_fwd_sm90_mla.py,
-test_fmha_bwd_sm90_mla.py): the part head dims, random parts, their concatenation for the reference call, the
-parameter ids."""
+test_fmha_bwd_sm90_mla.py): the part head dims, random parts (alone or as views of a layer's projections), their
+concatenation for the reference call, cu_seqlens, the parameter ids."""
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -38,3 +40,20 @@ def make_parts(B, sq, sk, hq, hkv, kpe, dtype, g) -> tuple[torch.Tensor, ...]:
     lead_k = (sk,) if B is None else (B, sk)
     return (rand((*lead_q, hq, DN), dtype, g), rand((*lead_q, hq, DR), dtype, g), rand((*lead_k, hkv, DN), dtype, g),
             rand((*lead_k, 1 if kpe == "kpe1" else hkv, DR), dtype, g), rand((*lead_k, hkv, DV), dtype, g))
+
+
+def layer_views(B, sq, sk, hq, hkv, dtype, g) -> tuple[torch.Tensor, ...]:
+    """(q_nope, q_pe, k_nope, k_pe, v) as an MLA layer makes them: q_nope / q_pe split from one (B, sq, hq, 192)
+    projection, k_nope / v from one (B, sk, hkv, 256) projection, k_pe the last 64 columns of the (B, sk, 576)
+    latent row viewed as (B, sk, 1, 64)."""
+    q = rand((B, sq, hq, DN + DR), dtype, g)
+    kv = rand((B, sk, hkv, DN + DV), dtype, g)
+    latent = rand((B, sk, 512 + DR), dtype, g)
+    q_nope, q_pe = q.split([DN, DR], -1)
+    k_nope, v = kv.split([DN, DV], -1)
+    return q_nope, q_pe, k_nope, latent[..., 512:].unsqueeze(2), v
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
+    """The int32 cu_seqlens of a packed batch of these sequence lengths, on the GPU."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], device=DEV, dtype=torch.int32)

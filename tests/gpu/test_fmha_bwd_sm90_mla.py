@@ -11,8 +11,6 @@ below take both. The public API's gradients against attention on the concatenati
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -24,7 +22,8 @@ if not _CAP_OK:
 
 from mla_autograd._build import load_family  # noqa: E402
 
-from mla_parts import DEV, DN, DR, DTYPES, DV, KPE, MASKS, cat_parts, dtype_id, make_parts, mask_id, rand  # noqa: E402
+from mla_parts import (DEV, DN, DR, DTYPES, DV, KPE, MASKS, cat_parts, cu_seqlens, dtype_id, layer_views,  # noqa: E402
+                       make_parts, mask_id, rand)
 
 # (Sq, Sk, Hq, Hkv): odd lengths (a key block of 112 crossing the end), Sq != Sk both ways, MHA / GQA / MQA, one
 # key, an empty key side
@@ -140,12 +139,7 @@ def test_part_views_of_projections(bwd_ext, fwd_ext, dtype, mask):
     (B, S, 576) latent row and viewed as (B, S, 1, 64)."""
     g = torch.Generator(device=DEV).manual_seed(5)
     B, sq, sk, hq, hkv = 2, 301, 299, 8, 2
-    q = rand((B, sq, hq, DN + DR), dtype, g)
-    kv = rand((B, sk, hkv, DN + DV), dtype, g)
-    latent = rand((B, sk, 512 + DR), dtype, g)
-    q_nope, q_pe = q.split([DN, DR], -1)
-    k_nope, v = kv.split([DN, DV], -1)
-    k_pe = latent[..., 512:].unsqueeze(2)
+    q_nope, q_pe, k_nope, k_pe, v = layer_views(B, sq, sk, hq, hkv, dtype, g)
     _check(bwd_ext, fwd_ext, q_nope, q_pe, k_nope, k_pe, v, causal=mask[0], bottom_right=mask[1], dkv=True,
            name=f"views {dtype} {mask}")
 
@@ -166,8 +160,8 @@ def test_varlen_bit_identical(bwd_ext, fwd_ext, dtype, mask, case, heads, kpe):
     hq, hkv = heads
     lq, lk = VARLEN_CASES[case]
     g = torch.Generator(device=DEV).manual_seed(200 + case)
-    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cu_q = cu_seqlens(lq)
+    cu_k = cu_seqlens(lk)
     parts = make_parts(None, sum(lq), sum(lk), hq, hkv, kpe, dtype, g)
     _check(bwd_ext, fwd_ext, *parts, causal=mask[0], bottom_right=mask[1], cu_q=cu_q, cu_k=cu_k, msq=max(lq),
            msk=max(lk), name=f"varlen {dtype} {mask} {lq} {lk} {heads} {kpe}")

@@ -10,8 +10,6 @@ are in test_fmha_bwd_sm90_mla.py) and close otherwise.
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -24,7 +22,8 @@ if not _CAP_OK:
 import mla_autograd as M  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
 
-from mla_parts import DEV, DN, DR, DTYPES, DV, KPE, MASKS, cat_parts, dtype_id, make_parts, mask_id, rand  # noqa: E402
+from mla_parts import (DEV, DN, DR, DTYPES, DV, KPE, MASKS, cat_parts, cu_seqlens, dtype_id, layer_views,  # noqa: E402
+                       make_parts, mask_id, rand)
 
 # (Sq, Sk, Hq, Hkv): odd lengths, Sq != Sk both ways, MHA / GQA / MQA, an empty key side
 SHAPES = [(1, 1, 1, 1), (17, 113, 8, 2), (113, 17, 8, 1), (255, 257, 16, 16), (1, 1023, 8, 8), (1023, 1, 2, 1),
@@ -97,12 +96,7 @@ def test_part_views_of_projections(ext, dtype, mask):
     also from batch-transposed storage."""
     g = torch.Generator(device=DEV).manual_seed(5)
     B, sq, sk, hq, hkv = 2, 301, 299, 8, 2
-    q = rand((B, sq, hq, DN + DR), dtype, g)
-    kv = rand((B, sk, hkv, DN + DV), dtype, g)
-    latent = rand((B, sk, 512 + DR), dtype, g)
-    q_nope, q_pe = q.split([DN, DR], -1)
-    k_nope, v = kv.split([DN, DV], -1)
-    k_pe = latent[..., 512:].unsqueeze(2)
+    q_nope, q_pe, k_nope, k_pe, v = layer_views(B, sq, sk, hq, hkv, dtype, g)
     assert k_pe.shape == (B, sk, 1, DR) and k_pe.stride() == (sk * 576, 576, DR, 1)
     kw = dict(scale=0.0721, causal=mask[0], bottom_right=mask[1])
     _check_bit_identical(ext, q_nope, q_pe, k_nope, k_pe, v, **kw, name=f"views {dtype} {mask}")
@@ -126,8 +120,8 @@ def test_varlen_bit_identical(ext, dtype, mask, case, heads, kpe):
     hq, hkv = heads
     lq, lk = VARLEN_CASES[case]
     g = torch.Generator(device=DEV).manual_seed(200 + case)
-    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cu_q = cu_seqlens(lq)
+    cu_k = cu_seqlens(lk)
     parts = make_parts(None, sum(lq), sum(lk), hq, hkv, kpe, dtype, g)
     _check_bit_identical(ext, *parts, scale=0.0721, causal=mask[0], bottom_right=mask[1], cu_q=cu_q, cu_k=cu_k,
                          msq=max(lq), msk=max(lk), name=f"varlen {dtype} {mask} {lq} {lk} {heads} {kpe}")
@@ -204,8 +198,8 @@ def test_public_mla_attention_matches_concatenated(dtype, mask, heads, kpe, dete
 @pytest.mark.parametrize("kpe", KPE)
 def test_public_varlen_empty_sequence_matches_concatenated(dtype, mask, kpe):
     lq, lk = [65, 0, 130, 17], [80, 33, 130, 0]
-    cq = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-    ck = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cq = cu_seqlens(lq)
+    ck = cu_seqlens(lk)
     causal, br = mask
     align = "bottom_right" if br else "top_left"
     parts = _public_parts(None, sum(lq), sum(lk), 8, 2, kpe, dtype, seed=17)
@@ -261,7 +255,7 @@ def test_compile_fullgraph_and_opcheck():
     op = torch.ops.mla_autograd.mla_attn_fwd.default
     torch.library.opcheck(op, (*parts, None, None, 129, 130, 0.0721, True, True, True))
     lq = [3, 0, 70]
-    cu = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+    cu = cu_seqlens(lq)
     packed = _public_parts(None, sum(lq), sum(lq), 4, 4, "kpeH", torch.float16, seed=37)
     torch.library.opcheck(op, (*packed, cu, cu, 70, 70, 0.0721, False, True, True))
     # the backward op (what torch.compile's backward graph calls), on the forward's saved parts, out and lse
