@@ -88,15 +88,20 @@ __device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typ
   typename Tr::TiledMmadKV mma_dkv;
   typename Tr::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
   auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // smem operand descriptors partitioned for the warpgroup (a warp-uniform index), so that they are computed in
+  // uniform registers (see fmha_fwd_sm90_kernel.cuh)
+  int const wg_thread0 = (cutlass::canonical_warp_group_idx() - 1) * 128;
+  auto wg_sdp = mma_sdp.get_thread_slice(wg_thread0);
+  auto wg_dkv = mma_dkv.get_thread_slice(wg_thread0);
+  auto wg_dq = mma_dq.get_thread_slice(wg_thread0);
 
-  Tensor tdVrdOt = thr_dkv.partition_fragment_A(sdOt);
-  Tensor tdVrPt = thr_dkv.partition_fragment_B(sPt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_A(sQt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_B(sdSt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdVrdOt = wg_dkv.partition_fragment_A(sdOt);
+  Tensor tdVrPt = wg_dkv.partition_fragment_B(sPt);
+  Tensor tdKrQt = wg_dkv.partition_fragment_A(sQt);
+  Tensor tdKrdSt = wg_dkv.partition_fragment_B(sdSt);
+  Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
 
   // P and dS leave the accumulators through transposing stmatrix (8x8 blocks of 16-bit values, one
   // 16-byte smem row per key): the P^T/dS^T buffers are keys-major with the queries contiguous.
@@ -146,12 +151,12 @@ __device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typ
     Element* do_base = ss.dout.data();
     Element* v_base = ss.v.data();
     asm volatile("" : "+l"(q_base), "+l"(k_base), "+l"(do_base), "+l"(v_base));
-    Tensor tSrQ = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(q_base), typename Tr::SmemLayoutQ{}));
-    Tensor tSrK = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutK{}));
-    Tensor tdPrdO = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(do_base), typename Tr::SmemLayoutdO{}));
-    Tensor tdPrV = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{}));
-    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, st), tSrK, tSrS, true);
-    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, st), tdPrV, tdPrdP, true);
+    Tensor tSrQ = wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(q_base), typename Tr::SmemLayoutQ{}));
+    Tensor tSrK = wg_sdp.partition_fragment_B(make_tensor(make_smem_ptr(k_base), typename Tr::SmemLayoutK{}));
+    Tensor tdPrdO = wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(do_base), typename Tr::SmemLayoutdO{}));
+    Tensor tdPrV = wg_sdp.partition_fragment_B(make_tensor(make_smem_ptr(v_base), typename Tr::SmemLayoutV{}));
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrQ(_, _, _, mla_sm90::uniform(st)), tSrK, tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrdO(_, _, _, mla_sm90::uniform(st)), tdPrV, tdPrdP, true);
   };
   // The loop sits inside the branch that issues the first step's GEMMs: where both paths met, the
   // accumulators' undefined value on the other path became non-wgmma definitions (zeros, spilled) and
@@ -199,7 +204,7 @@ __device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typ
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(128, kBarPwg0 + cwg);  // this WG's P^T columns complete
       // dV^T += dO^T P  (reads only this WG's keys of P^T)
-      mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, stage), tdVrPt, tdVrdV, it == 0);
+      mla_sm90::wg_gemm<false>(mma_dkv, tdVrdOt(_, _, _, mla_sm90::uniform(stage)), tdVrPt, tdVrdV, it == 0);
       warpgroup_wait<1>();  // dP done
       warpgroup_fence_operand(tdPrdP);
 
@@ -220,7 +225,7 @@ __device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typ
       // dQ = dS K ; dK^T += Q^T dS. The dQ smem store below overlaps the dK^T GEMM.
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
       mla_sm90::wg_gemm<false>(mma_dq, tdQrdS, tdQrKt, tdQrdQ, true);
-      mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, stage), tdKrdSt, tdKrdK, it == 0);
+      mla_sm90::wg_gemm<false>(mma_dkv, tdKrQt(_, _, _, mla_sm90::uniform(stage)), tdKrdSt, tdKrdK, it == 0);
       warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
       warpgroup_fence_operand(tdQrdQ);
 
@@ -281,19 +286,24 @@ __device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typen
   typename Tr::TiledMmadKs mma_dk;
   typename Tr::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dv = mma_dv.get_thread_slice(tidx);
-  auto thr_dk = mma_dk.get_thread_slice(tidx);
   auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // smem operand descriptors partitioned for the warpgroup (a warp-uniform index), so that they are computed in
+  // uniform registers (see fmha_fwd_sm90_kernel.cuh)
+  int const wg_thread0 = (cutlass::canonical_warp_group_idx() - 1) * 128;
+  auto wg_sdp = mma_sdp.get_thread_slice(wg_thread0);
+  auto wg_dv = mma_dv.get_thread_slice(wg_thread0);
+  auto wg_dk = mma_dk.get_thread_slice(wg_thread0);
+  auto wg_dq = mma_dq.get_thread_slice(wg_thread0);
 
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, 1, D/16): this WG's 64 keys
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, 1, D/16, Stages)
-  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-  Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, 1, BM/16, Stages)
-  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
-  Tensor tdQrdS0 = thr_dq.partition_fragment_A(sdS0);
-  Tensor tdQrdS1 = thr_dq.partition_fragment_A(sdS1);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tSrK = wg_sdp.partition_fragment_A(sK);    // (MMA, 1, D/16): this WG's 64 keys
+  Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);    // (MMA, 1, D/16, Stages)
+  Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = wg_dv.partition_fragment_B(sdOt);  // (MMA, 1, BM/16, Stages)
+  Tensor tdKrQt = wg_dk.partition_fragment_B(sQt);
+  Tensor tdQrdS0 = wg_dq.partition_fragment_A(sdS0);
+  Tensor tdQrdS1 = wg_dq.partition_fragment_A(sdS1);
+  Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
   Tensor tdSsdS0 = thr_sdp.partition_C(sdSt0);
   Tensor tdSsdS1 = thr_sdp.partition_C(sdSt1);
   // smem addresses of this thread's first dS^T pair in each buffer (the rest: see the store)
@@ -326,8 +336,8 @@ __device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typen
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<BNt, BMt>{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<BNt, BMt>{});
-    mla_sm90::wg_gemm<false>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS, true);
-    mla_sm90::wg_gemm<false>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tSrK, tSrQ(_, _, _, mla_sm90::uniform(stage)), tSrS, true);
+    mla_sm90::wg_gemm<false>(mma_sdp, tdPrV, tdPrdO(_, _, _, mla_sm90::uniform(stage)), tdPrdP, true);
     Tensor S_rc = make_tensor(tSrS.data(), mla_sm90::acc_rowcol(tSrS.layout()));
     Tensor dP_rc = make_tensor(tdPrdP.data(), mla_sm90::acc_rowcol(tdPrdP.layout()));
     const float* lse_s = ss.lse.data() + stage * BM;
@@ -357,7 +367,7 @@ __device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typen
     }
     Tensor tPrP = make_tensor<Element>(mla_sm90::acc_to_A_regs(tSrS.layout()));
     mla_sm90::convert_frag(tSrS, tPrP);
-    mla_sm90::wg_gemm<true>(mma_dv, tPrP, tdVrdOt(_, _, _, stage), tdVrdV, false);
+    mla_sm90::wg_gemm<true>(mma_dv, tPrP, tdVrdOt(_, _, _, mla_sm90::uniform(stage)), tdVrdV, false);
     warpgroup_wait<1>();  // dP^T done; dV may still run
     warpgroup_fence_operand(tdPrdP);
 
@@ -404,7 +414,7 @@ __device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typen
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<BMt, Dt>{});
     if (it & 1) mla_sm90::wg_gemm<false>(mma_dq, tdQrdS1, tdQrKt, tdQrdQ, true);
     else mla_sm90::wg_gemm<false>(mma_dq, tdQrdS0, tdQrKt, tdQrdQ, true);
-    mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, stage), tdKrdK, false);
+    mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, mla_sm90::uniform(stage)), tdKrdK, false);
     warpgroup_wait<1>();  // dV, dQ done; dK runs during the dQ store
     warpgroup_fence_operand(tdQrdQ);
     store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
