@@ -62,7 +62,7 @@ struct MaskInfo {
   int seqlen_q, seqlen_k, diag;
   bool causal;
 
-  CUTE_DEVICE MaskInfo(int sq, int sk, bool causal_, bool bottom_right)
+  CUTE_HOST_DEVICE MaskInfo(int sq, int sk, bool causal_, bool bottom_right)
       : seqlen_q(sq), seqlen_k(sk), diag(bottom_right ? sk - sq : 0), causal(causal_) {}
 
   // Key blocks [n_min, n_max) that an M-block of kBM query rows must visit.
@@ -89,9 +89,23 @@ struct MaskInfo {
     }
   }
 
+  // The first key block that needs masking for M-block m: block n needs it iff n >= this (both bounds are
+  // monotone in n), the same answer as block_needs_mask, in one comparison per block.
+  template <int kBM, int kBN>
+  CUTE_HOST_DEVICE int first_masked_block(int m_block) const {
+    int lo = seqlen_k / kBN;  // (n + 1) * kBN > seqlen_k
+    if (causal) {
+      // (n + 1) * kBN - 1 > m * kBM + diag, i.e. n >= floor((m * kBM + diag + 1) / kBN) (every n when negative)
+      int64_t const x = int64_t(m_block) * kBM + diag + 1;
+      int const lo_diag = x <= 0 ? 0 : int(x / kBN);
+      lo = lo_diag < lo ? lo_diag : lo;
+    }
+    return lo;
+  }
+
   // Whether key block n needs any masking for M-block m (seqlen_k bound or causal diagonal).
   template <int kBM, int kBN>
-  CUTE_DEVICE bool block_needs_mask(int m_block, int n_block) const {
+  CUTE_HOST_DEVICE bool block_needs_mask(int m_block, int n_block) const {
     if ((n_block + 1) * kBN > seqlen_k) return true;
     if (causal) {
       // The smallest row of the tile sees keys j <= m*BM + diag; the block's largest key is (n+1)*BN-1.

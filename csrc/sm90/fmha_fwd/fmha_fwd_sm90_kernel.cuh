@@ -495,6 +495,9 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
       MaskInfo const& mi = tile.mi;
       int const m_block = tile.m_block, n_min = tile.n_min, n_max = tile.n_max;
       int const row0 = m_block * kBM;
+      // Key blocks from here up cross seqlen_k or the causal diagonal (the loop visits them first): one
+      // comparison per block instead of block_needs_mask's 64-bit bound arithmetic on the softmax's critical path.
+      int const n_masked = uniform(mi.template first_masked_block<kBM, kBN>(m_block));
 
       OnlineSoftmax<R> sm;
       sm.init();
@@ -520,7 +523,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         warpgroup_wait<0>();
         release(&ss.empty_k[stage]);
         if (n == n_min) release(&ss.empty_q);  // the tile's last QK has read Q
-        if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
+        if (n >= n_masked) apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
         sm.step(S_rc, c, alpha);
         convert_frag(tSrS, tOrP);
         int v_stage = stage;
@@ -541,7 +544,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
           // block and PV(n+1)'s wait opens the next one. ptxas moves a wgmma wait to the top of the basic block
           // that holds it: with one softmax after the branch (in the wait's block), the SASS waited for
           // PV(n+1) before the softmax, and the softmax never ran under this warpgroup's own PV.
-          if (mi.template block_needs_mask<kBM, kBN>(m_block, n)) {
+          if (n >= n_masked) {
             apply_mask(S_rc, cS_rc, mi, row0, n * kBN);
             sm.step(S_rc, c, alpha);
           } else {
