@@ -33,7 +33,8 @@ def _tensors():
 
 @pytest.mark.parametrize("options,match", BAD + [({"ctas": True}, r"options\['ctas'\] must be an int"),
                                                  ({"ctas": -2}, r"options\['ctas'\] must be in \[0, 2\^31\), got -2"),
-                                                 ({"dynamic": 1}, r"options\['dynamic'\] must be a bool")])
+                                                 ({"dynamic": 1}, r"options\['dynamic'\] must be a bool"),
+                                                 ({"wide_keys": 0}, r"options\['wide_keys'\] must be a bool")])
 def test_fwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_fwd_sm90: " + match):

@@ -310,6 +310,31 @@ def test_varlen_tile_list_over_many_sequences(ext, grid):
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_narrow_key_block_without_mask(ext, dims, varlen):
+    """{'wide_keys': False}: an unmasked problem on the causal tile's key block (at 128/128 the 128-wide kernel,
+    which a plain call runs only under a causal mask, instead of the 176-wide one): passes the reference check at
+    lengths that end inside a block of either width (176 * 3 + 5 keys, 333 queries)."""
+    d, dv = dims
+    g = torch.Generator(device=DEV).manual_seed(13)
+    if varlen:
+        lq, lk = [333, 0, 129, 17], [533, 7, 176, 300]
+        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        q = _rand((sum(lq), 4, d), torch.bfloat16, g)
+        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
+        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
+        kw = dict(cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk))
+    else:
+        q = _rand((2, 333, 4, d), torch.bfloat16, g)
+        k = _rand((2, 176 * 3 + 5, 2, d), torch.bfloat16, g)
+        v = _rand((2, 176 * 3 + 5, 2, dv), torch.bfloat16, g)
+        kw = {}
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=False, bottom_right=False, options={"wide_keys": False},
+           name=f"narrow keys {dims} varlen={varlen}", **kw)
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
 @pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
 def test_options_empty(ext, dims, mask):
     """fwd_with_options with no options (fwd's defaults), 16 heads at S=2048: two L2 groups at Dqk >= 128 on the H200."""

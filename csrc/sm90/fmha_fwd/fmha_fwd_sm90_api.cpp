@@ -41,6 +41,7 @@ void check_strides(const at::Tensor& t, const char* name, int64_t skip_dim = -1)
 //   "l2_group": int >= 0, (head, batch) pairs per L2 launch group (0: every pair interleaved).
 //   "ctas": int >= 0, CTAs of the persistent grid (0: the launcher's choice; see FmhaFwdSm90Options).
 //   "dynamic": bool, dynamic (True) or static (False) tile assignment instead of the launcher's choice.
+//   "wide_keys": bool, False: unmasked problems keep the causal tile's key block (see FmhaFwdSm90Config).
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
   constexpr const char* fn = "fmha_fwd_sm90";
@@ -52,8 +53,10 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
       o.ctas = mla::option_count(item.second, fn, key);
     } else if (key == "dynamic") {
       o.scheduler = mla::option_bool(item.second, fn, key) ? 1 : 0;
+    } else if (key == "wide_keys") {
+      o.wide_keys = mla::option_bool(item.second, fn, key);
     } else {
-      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas, dynamic)");
+      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas, dynamic, wide_keys)");
     }
   }
   return o;
@@ -297,7 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_with_options", &fwd_with_options,
         "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
         "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic), "
-        "{'dynamic': bool} dynamic or static tile assignment; {} is fwd",
+        "{'dynamic': bool} dynamic or static tile assignment, {'wide_keys': False} the causal tile's key block "
+        "without a mask too; {} is fwd",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),

@@ -741,13 +741,13 @@ cudaError_t run_fmha_fwd_sm90_mla(FmhaFwdSm90Params const& p, FmhaFwdSm90RopePar
   return launch_fmha_fwd_sm90<KT>(p, kp, opt, dev, stream);
 }
 
-// Unmasked problems take the config's wider key block where it has one (kBlockNNoMask).
+// Unmasked problems take the config's wider key block where it has one (kBlockNNoMask), unless the options say not.
 template <class Element, int kDqk, int kDv>
 cudaError_t run_fmha_fwd_sm90(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt, mla::DeviceInfo const& dev,
                               cudaStream_t stream) {
   using Cfg = FmhaFwdSm90Config<kDqk, kDv>;
   if constexpr (Cfg::kBlockNNoMask != Cfg::kBlockN) {
-    if (!p.causal) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kBlockNNoMask>(p, opt, dev, stream);
+    if (!p.causal && opt.wide_keys) return run_fmha_fwd_sm90_impl<Element, kDqk, kDv, Cfg::kBlockNNoMask>(p, opt, dev, stream);
   }
   return run_fmha_fwd_sm90_impl<Element, kDqk, kDv>(p, opt, dev, stream);
 }

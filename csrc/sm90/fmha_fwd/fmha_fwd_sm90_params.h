@@ -52,6 +52,9 @@ struct FmhaFwdSm90Options {
   int ctas = 0;
   // Tile assignment: -1 = the launcher's choice (fmha_fwd_sm90_dynamic_tiles), 0 = static, 1 = dynamic.
   int scheduler = -1;
+  // Key-block width without a causal mask: true = the config's kBlockNNoMask (wider where it differs),
+  // false = kBlockN, the causal tile's.
+  bool wide_keys = true;
 };
 
 // Whether a launch assigns tiles dynamically, from p.tile_counter: where the options say so, else where
