@@ -21,9 +21,9 @@ from ._kernels import FAMILIES
 from ._dispatch import Call, explain_call, select
 from .schedule import DecodeSchedule
 
-__all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_attn_bwd", "mla_decode", "mla_decode_schedule", "attention", "attention_call",
-           "mla_attention", "mla_call", "adjacent_parts", "concat_mla_parts", "split_views", "decode_call",
-           "schedule_numel"]
+__all__ = ["attn_fwd", "attn_bwd", "mla_attn_fwd", "mla_attn_bwd", "mla_attn_packed_fwd", "mla_attn_packed_bwd",
+           "mla_decode", "mla_decode_schedule", "attention", "attention_call", "mla_attention", "mla_attention_packed",
+           "mla_call", "adjacent_parts", "concat_mla_parts", "decode_call", "schedule_numel"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -422,8 +422,8 @@ def _mla_attn_bwd_into(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tenso
     anywhere else the parts are concatenated (concat_mla_parts) for attn_bwd's body and dk split back
     (_split_mla_grads). dkv (eager callers only: the op's schema has none): a (..., Hkv, Dn + Dv) buffer where
     k_nope and v lie side by side as its two halves (adjacent_parts, the layer's key/value projection): dk_nope
-    and dv are then written into its halves and returned as those views, so the projection's backward finds its
-    gradient whole."""
+    and dv are then written into its halves and returned as those views (mla_attn_packed_fwd's backward returns
+    dkv itself)."""
     dn = q_nope.shape[-1]
     dk_out = None if dkv is None else dkv[..., :dn]
     dv_out = None if dkv is None else dkv[..., dn:]
@@ -483,10 +483,7 @@ def _(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k,
 mla_attn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-# Saved: the five parts (never the concatenated q / k), out and lse; the backward is mla_attn_bwd on them. Where
-# k_nope and v are two halves of one tensor (the layer's key/value projection), their gradients leave as the two
-# halves of one new tensor too (eager: _mla_attn_bwd_into's dkv), so the projection's backward finds its gradient
-# whole (split_views) rather than concatenating the two; dq_nope and dq_pe are the two views of one dq likewise.
+# Saved: the five parts (never the concatenated q / k), out and lse; the backward is mla_attn_bwd on them.
 
 def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
     q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
@@ -505,9 +502,7 @@ def _mla_attn_fwd_backward(ctx, dout: Tensor, _dlse):
     _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
     try:
         if direct:
-            kv = adjacent_parts(k_nope, v)
-            dkv = None if kv is None else torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-            dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, *saved, *ctx.args, dkv=dkv)
+            dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, *saved, *ctx.args)
         else:
             dq, dk_nope, dk_pe, dv = mla_attn_bwd(dout, *saved, *ctx.args)
     finally:
@@ -538,32 +533,110 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
     return _mla_attn_fwd(*args)
 
 
-class _SplitViews(torch.autograd.Function):
-    """x.split(sizes, -1) whose backward hands on the parts' gradients as the one tensor they are views of when
-    they lie side by side as x's parts (adjacent_parts: a backward that wrote them into one buffer), and
-    concatenates them otherwise, as split's own backward does."""
+# ---- the packed MLA op: q = [q_nope | q_pe] and kv = [k_nope | v] as MLA's projections produce them ----
+# The same kernels as mla_attn_fwd / mla_attn_bwd on views of q and kv; the backward returns dq and dkv whole
+# (the kernel writes dk_nope and dv into the two halves of one dkv), so the projections' backward takes them as
+# they are: no concatenation of the parts' gradients, under torch.compile too (where a split's backward is one).
 
-    @staticmethod
-    def forward(ctx, x, sizes):
-        ctx.shape = x.shape
-        return tuple(x.split(sizes, dim=-1))
-
-    @staticmethod
-    def backward(ctx, *grads):  # a part nobody used comes as zeros (autograd materializes missing gradients)
-        whole = adjacent_parts(*grads)
-        if whole is not None and whole.shape == ctx.shape:
-            return whole, None
-        return torch.cat(grads, dim=-1), None
+def _packed_parts(q: Tensor, kv: Tensor, d_nope: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q_nope, q_pe, k_nope, v): views of q (..., Dn + Dr) and kv (..., Dn + Dv) split at d_nope = Dn."""
+    return q[..., :d_nope], q[..., d_nope:], kv[..., :d_nope], kv[..., d_nope:]
 
 
-def split_views(x: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
-    """x.split(sizes, dim=-1), views of x, for a tensor whose parts feed mla_attention: in eager mode the
-    backward returns the parts' gradients without concatenating them where mla_attention's backward left them
-    side by side (the query's nope / rope parts, a key/value projection's k_nope / v). Under torch.compile (and
-    for tensor subclasses, or when autograd does not record the call) a plain split, which the compiler fuses."""
-    if not eager_direct(x) or not (torch.is_grad_enabled() and x.requires_grad):
-        return tuple(x.split(sizes, dim=-1))
-    return _SplitViews.apply(x, list(sizes))
+def _mla_attn_packed_fwd(q: Tensor, kv: Tensor, k_pe: Tensor, d_nope: int, cu_seqlens_q: Optional[Tensor],
+                         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                         causal: bool, bottom_right: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of mla_attn_fwd on q's and kv's parts (_packed_parts): dense q (B, Sq, Hq, Dn + Dr), kv
+    (B, Sk, Hkv, Dn + Dv), k_pe (B, Sk, 1 or Hkv, Dr); varlen the same without B."""
+    q_nope, q_pe, k_nope, v = _packed_parts(q, kv, d_nope)
+    return _mla_attn_fwd(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, bottom_right, deterministic)
+
+
+mla_attn_packed_fwd = torch.library.custom_op("mla_autograd::mla_attn_packed_fwd", mutates_args=())(
+    _mla_attn_packed_fwd)
+
+
+@mla_attn_packed_fwd.register_fake
+def _(q, kv, k_pe, d_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      bottom_right, deterministic=False):
+    out = q.new_empty(*q.shape[:-1], kv.shape[-1] - d_nope)
+    return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+
+
+def _mla_attn_packed_bwd(dout: Tensor, q: Tensor, kv: Tensor, k_pe: Tensor, out: Tensor, lse: Tensor, d_nope: int,
+                         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+                         max_seqlen_k: int, softmax_scale: float, causal: bool, bottom_right: bool,
+                         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dkv, dk_pe) of mla_attn_packed_fwd: dq and dkv contiguous of q's and kv's shapes, dk_pe of k_pe's (a
+    one-head k_pe's gradient summed over the kv heads that shared it)."""
+    q_nope, q_pe, k_nope, v = _packed_parts(q, kv, d_nope)
+    dkv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    dq, _, dk_pe, _ = _mla_attn_bwd_into(dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
+                                         deterministic, dkv=dkv)
+    # an op's outputs alias nothing: dk_pe may be a view of the concatenated path's dk
+    return dq, dkv, dk_pe.contiguous()
+
+
+mla_attn_packed_bwd = torch.library.custom_op("mla_autograd::mla_attn_packed_bwd", mutates_args=())(
+    _mla_attn_packed_bwd)
+
+
+@mla_attn_packed_bwd.register_fake
+def _(dout, q, kv, k_pe, out, lse, d_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      causal, bottom_right, deterministic):
+    dense = torch.contiguous_format
+    return (torch.empty_like(q, memory_format=dense), torch.empty_like(kv, memory_format=dense),
+            torch.empty_like(k_pe, memory_format=dense))
+
+
+mla_attn_packed_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def _mla_attn_packed_setup_context(ctx, inputs, output) -> None:
+    q, kv, k_pe, d_nope, cu_seqlens_q, cu_seqlens_k, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, k_pe, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.d_nope = d_nope
+    ctx.args = args  # max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right, deterministic
+    ctx.mark_non_differentiable(lse)
+    ctx.call_site = None if torch.compiler.is_compiling() else _dispatch.call_site()
+
+
+def _mla_attn_packed_backward(ctx, dout: Tensor, _dlse):
+    q, kv, k_pe, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    saved = (q, kv, k_pe, out, lse, ctx.d_nope, cu_seqlens_q, cu_seqlens_k)
+    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
+    direct = eager_direct(dout, q, kv, k_pe) and not torch.is_grad_enabled()
+    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
+    try:
+        bwd = _mla_attn_packed_bwd if direct else mla_attn_packed_bwd
+        dq, dkv, dk_pe = bwd(dout, *saved, *ctx.args)
+    finally:
+        _dispatch.set_backward_site(None)
+    return (dq, dkv, dk_pe, *(None,) * (len(ctx.args) + 3))
+
+
+mla_attn_packed_fwd.register_autograd(_mla_attn_packed_backward, setup_context=_mla_attn_packed_setup_context)
+
+
+_EagerMlaAttnPackedFwd = _eager_function("_EagerMlaAttnPackedFwd", _mla_attn_packed_fwd,
+                                         _mla_attn_packed_setup_context, _mla_attn_packed_backward)
+
+
+def mla_attention_packed(q: Tensor, kv: Tensor, k_pe: Tensor, d_nope: int, cu_seqlens_q: Optional[Tensor],
+                         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                         causal: bool, bottom_right: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of mla_attn_packed_fwd on validated inputs, differentiable: chosen as `attention` chooses between
+    the op, its eager autograd Function and its body."""
+    args = (q, kv, k_pe, d_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            bottom_right, deterministic)
+    if not eager_direct(q, kv, k_pe):
+        return mla_attn_packed_fwd(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, k_pe)):
+        return _EagerMlaAttnPackedFwd.apply(*args)
+    return _mla_attn_packed_fwd(*args)
 
 
 def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,

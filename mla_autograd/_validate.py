@@ -295,6 +295,55 @@ def check_mla_attention(q_nope, q_pe, k_nope, k_pe, v) -> None:
     _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 4)
 
 
+def _check_mla_packed(q, kv, k_pe, rank: int) -> int:
+    """q (..., Hq, Dn + Dr), kv (..., Hkv, Dn + Dv), k_pe (..., 1 or Hkv, Dr), leading dims (B, S) (rank 4) or
+    (T,) (rank 3); returns Dn, q's last dim less k_pe's."""
+    names = (("q", q), ("kv", kv), ("k_pe", k_pe))
+    for n, t in names:
+        _check_tensor(n, t, rank)
+    _check_float("q", q)
+    for n, t in names[1:]:
+        _same(n, t, "q", q)
+    for n, t in names:
+        _check_last_stride(n, t)
+    dr = k_pe.shape[-1]
+    if not 0 < dr < q.shape[-1]:
+        raise ValueError(f"k_pe head dim ({dr}) must be positive and smaller than q's ({q.shape[-1]}): q holds "
+                         f"[q_nope | q_pe] in its last dim, q_pe of k_pe's head dim")
+    dn = q.shape[-1] - dr
+    if kv.shape[-1] <= dn:
+        raise ValueError(f"kv head dim ({kv.shape[-1]}) must exceed the nope dim {dn} (q's head dim {q.shape[-1]} "
+                         f"less k_pe's {dr}): kv holds [k_nope | v] in its last dim")
+    if rank == 4 and kv.shape[0] != q.shape[0]:
+        raise ValueError(f"kv batch size {kv.shape[0]} must equal q batch size {q.shape[0]}")
+    hq, hkv = q.shape[-2], kv.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"number of query heads ({hq}, q) must be a multiple of the number of key/value heads "
+                         f"({hkv}, kv)")
+    lead = "(B, Sk)" if rank == 4 else "(Tk,)"
+    if k_pe.shape[:-2] != kv.shape[:-2]:
+        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} must match kv shape {tuple(kv.shape)} in {lead}")
+    if k_pe.shape[-2] not in (1, hkv):
+        raise ValueError(f"k_pe must have 1 head (the rope key shared by every head) or as many as kv ({hkv}), "
+                         f"got {k_pe.shape[-2]}")
+    return dn
+
+
+def check_mla_attention_packed(q, kv, k_pe) -> int:
+    """q (B, Sq, Hq, Dn + Dr), kv (B, Sk, Hkv, Dn + Dv), k_pe (B, Sk, 1 or Hkv, Dr); returns Dn."""
+    return _check_mla_packed(q, kv, k_pe, 4)
+
+
+def check_mla_attention_packed_varlen(q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      check_values: bool = VARLEN_CHECK_VALUES) -> int:
+    """Packed q (Tq, Hq, Dn + Dr), kv (Tk, Hkv, Dn + Dv), k_pe (Tk, 1 or Hkv, Dr); cu_seqlens as in
+    check_attention_varlen; returns Dn."""
+    dn = _check_mla_packed(q, kv, k_pe, 3)
+    _check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "q", q, q.shape[0], kv.shape[0],
+                          check_values)
+    return dn
+
+
 def check_explain_mla(q_nope, q_pe, k_nope, k_pe, v, varlen: bool) -> None:
     """What explain_mla checks: the tensor checks of mla_attention (or mla_attention_varlen's packed parts)."""
     _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, 3 if varlen else 4)

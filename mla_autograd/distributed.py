@@ -394,7 +394,7 @@ class _RingAttentionFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------- latent ring (MLA)
 
 class _LatentExpand:
-    """Per-head K/V from MLA's latent, as MultiHeadLatentAttention._expand does: kv = latent @ w_kv_b^T
+    """Per-head K/V from MLA's latent, as MultiHeadLatentAttention._attend expands it: kv = latent @ w_kv_b^T
     viewed (B, S, H, nope + v), K = [k_nope, k_pe broadcast to every head], V."""
 
     def __init__(self, w_kv_b, num_heads, nope, dv):
@@ -569,7 +569,7 @@ def context_parallel_mla_attention(q: Tensor, kv_latent: Tensor, k_pe: Tensor, *
     """Context-parallel MLA attention whose ring carries the latent instead of per-head K/V.
 
     Equals expanding the local latent to per-head keys and values (as
-    ``MultiHeadLatentAttention._expand``: ``kv = kv_latent @ w_kv_b.T`` viewed (B, S, H, nope + v),
+    ``MultiHeadLatentAttention._attend``: ``kv = kv_latent @ w_kv_b.T`` viewed (B, S, H, nope + v),
     ``K = [k_nope, k_pe broadcast to every head]``, ``V``) and calling `context_parallel_attention`
     on them; differentiable w.r.t. q, kv_latent, k_pe and w_kv_b.
 

@@ -194,6 +194,65 @@ def mla_attention_varlen(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Ten
     return (out, lse) if return_lse else out
 
 
+def mla_attention_packed(q: Tensor, kv: Tensor, k_pe: Tensor, *, causal: bool = False,
+                         causal_align: str = "bottom_right", softmax_scale: float | None = None,
+                         deterministic: bool = False, return_lse: bool = False):
+    """`mla_attention` with the query and the key/value packed as MLA's projections produce them: q holds
+    [q_nope | q_pe] and kv holds [k_nope | v] along their last dims.
+
+    Args:
+        q: (B, Sq, Hq, Dn + Dr) bfloat16/float16 (kernels) or float32/float64 (reference path): per head the
+            non-rotary part (Dn, 128 in DeepSeek-V2/V3) followed by the rotary part (Dr, 64), e.g. the query
+            projection with RoPE applied to its last Dr columns.
+        kv: (B, Sk, Hkv, Dn + Dv), same dtype and device: per head k_nope (Dn) followed by v (Dv), e.g. the
+            latent's up-projection (kv_b_proj) viewed per head; Hq must be a multiple of Hkv.
+        k_pe: (B, Sk, 1, Dr), the roped key shared by every head, or (B, Sk, Hkv, Dr). Its last dim is Dr, which
+            fixes Dn = q.shape[-1] - Dr and Dv = kv.shape[-1] - Dn.
+            All three may be non-contiguous as long as the last dim has stride 1.
+        causal, causal_align, softmax_scale, deterministic, return_lse: as in `mla_attention` (softmax_scale
+            defaults to 1/sqrt(Dn + Dr)).
+
+    Returns:
+        out (B, Sq, Hq, Dv); with return_lse also lse (B, Hq, Sq) float32 (float64 for float64 inputs).
+
+    The same result, bit for bit, and gradients as `mla_attention` on q's and kv's parts
+    (``q[..., :Dn], q[..., Dn:], kv[..., :Dn], k_pe, kv[..., Dn:]``), served by the same kernels. The difference
+    is in the backward: dq and dkv come back whole, the kernels writing the parts' gradients into their halves,
+    where the parts split off by the caller would have their gradients concatenated by the split's backward
+    (one copy of each, which torch.compile does not remove).
+    """
+    dn = V.check_mla_attention_packed(q, kv, k_pe)
+    scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = _ops.mla_attention_packed(q, kv, k_pe, dn, None, None, q.shape[1], kv.shape[1], scale, bool(causal),
+                                         bottom_right, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def mla_attention_packed_varlen(q: Tensor, kv: Tensor, k_pe: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                                causal_align: str = "bottom_right", softmax_scale: float | None = None,
+                                deterministic: bool = False, return_lse: bool = False,
+                                check_values: bool = V.VARLEN_CHECK_VALUES):
+    """`mla_attention_packed` over packed variable-length sequences (no padding).
+
+    Args:
+        q: (Tq, Hq, Dn + Dr), kv: (Tk, Hkv, Dn + Dv), k_pe: (Tk, 1 or Hkv, Dr): the B sequences concatenated.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values: as in `attention_varlen`.
+        Keywords as in `mla_attention_packed`; the causal offset is taken per sequence.
+
+    Returns:
+        out (Tq, Hq, Dv); with return_lse also lse (Hq, Tq) float32 (float64 for float64 inputs).
+    """
+    dn = V.check_mla_attention_packed_varlen(q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             check_values)
+    scale = V.softmax_scale_or_default(softmax_scale, q.shape[-1])
+    bottom_right = V.causal_bottom_right(causal_align)
+    out, lse = _ops.mla_attention_packed(q, kv, k_pe, dn, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                         int(max_seqlen_k), scale, bool(causal), bottom_right, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
 def decode_schedule(cache_seqlens: Tensor, *, seqlen_q: int, num_heads: int) -> DecodeSchedule:
     """Plan the split-KV work of `decode` once per decode step (as FlashMLA's get_mla_metadata).
 

@@ -12,7 +12,8 @@ import math
 import torch
 
 __all__ = ["naive_attention", "assert_error_within", "assert_bitwise", "init_layer_weights", "random_paged_cache", "dense_mask", "BadVarlenCase",
-           "BAD_VARLEN_ROWS", "BAD_VARLEN_CASES", "varlen_expected", "bad_decode_case"]
+           "BAD_VARLEN_ROWS", "BAD_VARLEN_CASES", "varlen_expected", "bad_decode_case", "compiled_backward_graphs",
+           "graph_cats"]
 
 
 def dense_mask(sq: int, sk: int, *, causal: bool, bottom_right: bool, device=None) -> torch.Tensor:
@@ -241,3 +242,32 @@ def bad_decode_case(*, seqlen_q: int = 1, num_heads: int = 16, page_size: int = 
     valid = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=buf[..., :dim_ckv], kpe_cache=buf[..., dim_ckv:],
                  block_table=fixed_table, cache_seqlens=torch.tensor(valid_lens, dtype=torch.int32))
     return ({n: t.to(dev) for n, t in bad.items()}, {n: t.to(dev) for n, t in valid.items()})
+
+
+def compiled_backward_graphs(loss_fn, *inputs) -> list:
+    """The backward graphs (torch.fx.GraphModule, ATen ops after AOT autograd) that torch.compile makes of
+    ``loss_fn(*inputs)``, a scalar, compiled whole (fullgraph) and run once forward and backward. What a compiled
+    training step would run, without Inductor: for tests that look for copies the backward should not make."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def keep_backward(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                     bw_compiler=keep_backward)
+
+    torch._dynamo.reset()
+    torch.compile(loss_fn, backend=backend, fullgraph=True)(*inputs).backward()
+    return graphs
+
+
+def graph_cats(graphs) -> list[tuple[int, ...]]:
+    """The output shapes of the concatenations (aten.cat) in fx graphs (compiled_backward_graphs')."""
+    return [tuple(n.meta["val"].shape) for g in graphs for n in g.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.cat.default]
+

@@ -53,7 +53,7 @@ def _randn(g, *shape, dtype=F64, device="cpu"):
 
 
 def _expand(c, k_pe, w, H, nope, dv):
-    """MLA's expansion, as MultiHeadLatentAttention._expand, for (B, S, r) latents and (B, S, 1, rope) keys."""
+    """MLA's expansion, as MultiHeadLatentAttention._attend makes it, for (B, S, r) latents and (B, S, 1, rope) keys."""
     kv = torch.nn.functional.linear(c, w).view(*c.shape[:-1], H, nope + dv)
     k_nope, v = kv.split([nope, dv], dim=-1)
     return torch.cat([k_nope, k_pe.expand(*k_pe.shape[:2], H, k_pe.shape[-1])], dim=-1), v

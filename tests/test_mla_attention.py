@@ -334,7 +334,7 @@ class _StandInSm90:
             dst.copy_(g)
 
     def bwd_mla(self, dout, q_nope, q_pe, k_nope, k_pe, v, out, lse, dq, dk_nope, dk_pe, dv, *args):
-        self.mla_bwd_calls.append((q_nope, q_pe, k_nope, k_pe, v, dk_nope, dv))
+        self.mla_bwd_calls.append((q_nope, q_pe, k_nope, k_pe, v, dk_nope, dv, dq))
         q, k = concat_mla_parts(q_nope, q_pe, k_nope, k_pe)
         dk = torch.empty_like(k)
         self.bwd(dout, q, k, v, out, lse, dq, dk, dv, *args)
@@ -380,14 +380,35 @@ def test_native_path_reads_aligned_views_in_place(standin_sm90):
     g, gr = _grads(out, bases, dout), _grads(ref, bases, dout)
     for a, b in zip(g, gr):
         assert torch.equal(a, b)
-    # the backward read the same parts in place (the shared rope key not expanded) and wrote dk_nope and dv into
-    # the two halves of one buffer, the key/value projection's gradient
+    # the backward read the same parts in place (the shared rope key not expanded)
     (bwd_given,) = standin_sm90.mla_bwd_calls
     for name, a, b in zip(("q_nope", "q_pe", "k_nope", "k_pe", "v"), bwd_given, parts):
         assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), name
-    dk_nope, dv = bwd_given[5:]
-    assert dv.data_ptr() == dk_nope.data_ptr() + 128 * dk_nope.element_size() and dk_nope.stride() == dv.stride()
     assert M.explain_mla(*parts).backward.op == "mla_bwd"
+
+
+def test_native_path_packed_writes_the_projections_gradients_whole(standin_sm90):
+    """mla_attention_packed on the layer's tensors: the kernels get the same in-place views as mla_attention on
+    the parts, and the backward writes dk_nope and dv into the two halves of one buffer, which leaves as kv's
+    gradient itself (and dq as q's), with mla_attention's values."""
+    (q, kv, latent), parts = _layer_views(2, 9, 4)
+    out = M.mla_attention_packed(q, kv, latent[..., 512:].unsqueeze(2), causal=True, deterministic=True)
+    (given,) = standin_sm90.mla_calls
+    for name, a, b in zip(("q_nope", "q_pe", "k_nope", "k_pe", "v"), given, parts):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), name
+    seen = {}
+    q.register_hook(lambda g: seen.setdefault("q", g))
+    kv.register_hook(lambda g: seen.setdefault("kv", g))
+    dout = torch.randn_like(out)
+    g = _grads(out, (q, kv, latent), dout)
+    (bwd_given,) = standin_sm90.mla_bwd_calls
+    dk_nope, dv, dq = bwd_given[5:]
+    assert dv.data_ptr() == dk_nope.data_ptr() + 128 * dk_nope.element_size() and dk_nope.stride() == dv.stride()
+    assert seen["kv"].data_ptr() == dk_nope.data_ptr() and seen["q"].data_ptr() == dq.data_ptr()
+    ref = M.mla_attention(*parts, causal=True, deterministic=True)
+    assert torch.equal(out, ref)
+    for a, b in zip(g, _grads(ref, (q, kv, latent), dout)):
+        assert torch.equal(a, b)
 
 
 def test_native_path_copies_a_misaligned_part_alone(standin_sm90):
@@ -644,84 +665,3 @@ def test_adjacent_parts_finds_the_tensor_a_split_left():
     z = torch.randn(64)                                                   # rows of 4 holding parts 6 wide: overlap
     assert adjacent_parts(z.as_strided((4, 4), (4, 1)), z.as_strided((4, 2), (4, 1), 4)) is None
     assert adjacent_parts(a, b.to(torch.float64)) is None                 # dtypes differ
-
-
-class _GradsAs(torch.autograd.Function):
-    """Identity on two tensors whose backward returns the given gradients instead of the incoming ones."""
-
-    @staticmethod
-    def forward(ctx, a, b, ga, gb):
-        ctx.grads = (ga, gb)
-        return a.view_as(a), b.view_as(b)
-
-    @staticmethod
-    def backward(ctx, *_):
-        return (*ctx.grads, None, None)
-
-
-@pytest.mark.parametrize("adjacent", [True, False])
-def test_split_views_backward_hands_on_adjacent_gradients_whole(adjacent):
-    from mla_autograd._ops import split_views
-    x = torch.randn(3, 4, 6, requires_grad=True)
-    seen = []
-    y = x * 1
-    y.register_hook(lambda g: seen.append(g))
-    a, b = split_views(y, [4, 2])
-    assert a.data_ptr() == y.data_ptr() and torch.equal(torch.cat([a, b], -1), y)  # views, as split's
-    buf = torch.randn(3, 4, 6)
-    ga, gb = (buf[..., :4], buf[..., 4:]) if adjacent else (buf[..., :4].clone(), buf[..., 4:].clone())
-    a2, b2 = _GradsAs.apply(a, b, ga, gb)
-    (a2.sum() + b2.sum()).backward()
-    assert torch.equal(seen[0], buf) and torch.equal(x.grad, buf)
-    assert (seen[0].data_ptr() == buf.data_ptr()) == adjacent  # handed on as is, or concatenated
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="SM90 kernels need compute capability 9.0")
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_gpu_parts_of_one_projection_get_their_gradients_whole(varlen):
-    """The layer's layout: q_nope / q_pe the two halves of one (.., H, 192) query, k_nope / v of one (.., H, 256)
-    key/value projection (split_views). The gradients equal, bit for bit, those of the same values as separate
-    tensors, and leave as one (.., H, 192) and one (.., H, 256) tensor: the SM90 backward writes dv into the
-    key/value gradient's value half (a strided dv), and nothing concatenates them."""
-    from mla_autograd._ops import split_views
-    g = torch.Generator(device="cuda").manual_seed(3)
-    lens = [77, 0, 130]
-    T, H = sum(lens), 8
-    lead = (T,) if varlen else (2, 97)
-    q = torch.randn(*lead, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(*lead, H, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    k_pe = torch.randn(*lead, 1, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    do = torch.randn(*lead, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    cu = _cu(lens, "cuda")
-
-    def run(q_nope, q_pe, k_nope, k_pe_, v):
-        if varlen:
-            return M.mla_attention_varlen(q_nope, q_pe, k_nope, k_pe_, v, cu, cu, max(lens), max(lens), causal=True)
-        return M.mla_attention(q_nope, q_pe, k_nope, k_pe_, v, causal=True)
-
-    seen = {}
-    qg, kvg, kpg = (t.clone().requires_grad_() for t in (q, kv, k_pe))
-    q1, kv1 = qg * 1, kvg * 1
-    q1.register_hook(lambda t: seen.setdefault("q", t))
-    kv1.register_hook(lambda t: seen.setdefault("kv", t))
-    q_nope, q_pe = split_views(q1, [128, 64])
-    k_nope, v = split_views(kv1, [128, 128])
-    run(q_nope, q_pe, k_nope, kpg, v).backward(do)
-
-    sep = [t.clone().requires_grad_() for t in (q[..., :128], q[..., 128:], kv[..., :128], k_pe, kv[..., 128:])]
-    run(*sep).backward(do)
-    assert torch.equal(seen["q"], torch.cat([sep[0].grad, sep[1].grad], -1))
-    assert torch.equal(seen["kv"], torch.cat([sep[2].grad, sep[4].grad], -1))
-    assert torch.equal(kpg.grad, sep[3].grad)
-    assert seen["q"].is_contiguous() and seen["kv"].is_contiguous()  # whole tensors, not a view of a wider one
-    # against attention on the concatenated key, whose backward writes dk to a tensor of its own (the MLA path
-    # writes it over its concatenated scratch key in a dense batch): dK and dV sum in a fixed order per CTA
-    qc, kc, vc = (t.clone().requires_grad_() for t in (q, torch.cat([kv[..., :128], k_pe.expand(*lead, H, 64)], -1),
-                                                          kv[..., 128:]))
-    if varlen:
-        M.attention_varlen(qc, kc, vc, cu, cu, max(lens), max(lens), causal=True).backward(do)
-    else:
-        M.attention(qc, kc, vc, causal=True).backward(do)
-    assert torch.equal(seen["kv"], torch.cat([kc.grad[..., :128], vc.grad], -1))
-    assert torch.equal(kpg.grad, kc.grad[..., 128:].sum(-2, keepdim=True))

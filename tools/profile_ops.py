@@ -9,7 +9,7 @@ left between them (launch gaps, host work). One workload per flag, all on the cu
     python tools/profile_ops.py --harness 192 causal     # bench_attention's backward row beside this file's timing
     python tools/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
     python tools/profile_ops.py --launch-overhead        # host time per launch of the layer's small kernels
-    python tools/profile_ops.py --mla-bwd-ab             # mla_attention's backward in place vs concatenated
+    python tools/profile_ops.py --mla-bwd-ab             # mla_attention_packed's backward in place vs concatenated
     python tools/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa,
                                                          # with the GPU's idle gaps and what the host did
 
@@ -445,10 +445,11 @@ def launch_overhead(calls: int = 200, top: int = 18) -> None:
 
 
 def mla_bwd_ab(rounds: int = 3) -> None:
-    """mla_attention forward + backward at the MLA layer's shape (B=1, S=4096, 128 heads, causal, bf16; q_nope / q_pe
-    and k_nope / v the halves of one projection each, k_pe the rope slice of the latent row, as the layer makes them)
-    with its backward reading the parts in place (the mla_bwd sm90 row) and with that row passed over (the saved
-    parts concatenated for attn_bwd), alternating rounds in one process: per-call medians and each one's kernels."""
+    """mla_attention_packed forward + backward at the MLA layer's shape (B=1, S=4096, 128 heads, causal, bf16; the
+    roped query [q_nope | q_pe] and the key/value projection [k_nope | v] whole, k_pe the rope slice of the latent
+    row, as the layer passes them) with its backward reading the parts in place (the mla_bwd sm90 row) and with
+    that row passed over (the saved parts concatenated for attn_bwd), alternating rounds in one process: per-call
+    medians and each one's kernels."""
     from mla_autograd import _ops
     from mla_autograd._dispatch import Decision
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -468,10 +469,7 @@ def mla_bwd_ab(rounds: int = 3) -> None:
     def step():
         for t in (q, kv, latent):
             t.grad = None
-        q_nope, q_pe = _ops.split_views(q, [128, 64])
-        k_nope, v = _ops.split_views(kv, [128, 128])
-        k_pe = latent[..., 512:].unsqueeze(2)
-        M.mla_attention(q_nope, q_pe, k_nope, k_pe, v, causal=True).backward(dout)
+        M.mla_attention_packed(q, kv, latent[..., 512:].unsqueeze(2), causal=True).backward(dout)
 
     times = {"native": [], "concat": []}
     try:
@@ -479,11 +477,11 @@ def mla_bwd_ab(rounds: int = 3) -> None:
             for name, sel in (("native", native_select), ("concat", concat_select)):
                 _ops.select = sel
                 times[name].append(events_ms(step, iters=20))
-        print("\nmla_attention fwd+bwd at the layer's shape, ms per call (rounds): " +
+        print("\nmla_attention_packed fwd+bwd at the layer's shape, ms per call (rounds): " +
               "; ".join(f"{k} {min(v):.3f}-{max(v):.3f} (median {sorted(v)[len(v) // 2]:.3f})" for k, v in times.items()))
         for name, sel in (("native", native_select), ("concat", concat_select)):
             _ops.select = sel
-            kernel_table(f"mla_attention fwd+bwd, backward {name}", step, iters=3, top=10)
+            kernel_table(f"mla_attention_packed fwd+bwd, backward {name}", step, iters=3, top=10)
     finally:
         _ops.select = native_select
 
@@ -565,7 +563,7 @@ def main(argv=None):
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
     ap.add_argument("--mla-bwd-ab", action="store_true",
-                    help="mla_attention fwd+bwd at the layer's shape, backward in place vs concatenated, alternating")
+                    help="mla_attention_packed fwd+bwd at the layer's shape, backward in place vs concatenated, alternating")
     ap.add_argument("--launch-overhead", action="store_true",
                     help="host time per launch of the layer's small kernels (Triton rotary / RMSNorm, aten, cuBLAS)")
     args = ap.parse_args(argv)

@@ -8,16 +8,17 @@ outputs match (same rotary layout, same softmax scale including YaRN's mscale).
 Two execution paths:
 
 - Training / prefill (``forward`` without a cache, or the first chunk into an empty cache): the
-  latent is expanded to per-head ``k_nope`` and values, and :func:`mla_autograd.mla_attention` (or
-  ``mla_attention_varlen`` for packed batches) runs on the query parts, ``k_nope``, the roped key shared
-  by every head (one head, ``(B, S, 1, d_rope)``) and the values, with bottom-right causal masking.
-  Fully differentiable.
+  latent is expanded to per-head ``[k_nope | v]`` (``kv_b_proj``), and
+  :func:`mla_autograd.mla_attention_packed` (or ``mla_attention_packed_varlen`` for packed batches) runs
+  on the roped query ``[q_nope | q_pe]``, that expansion and the roped key shared by every head (one
+  head, ``(B, S, 1, d_rope)``), with bottom-right causal masking. Fully differentiable; the attention's
+  backward hands both projections their gradients whole (no concatenation, also under torch.compile).
 - Cached inference (``cache=MLACache``): the normalized latent and the roped shared key are written
   into the paged cache. Decode steps (at most ``absorb_max_new_tokens`` = 8 new tokens per sequence)
   run weight-absorbed on the latent (W_UK folded into the query, W_UV applied to the latent output)
   through :func:`mla_autograd.decode`. A prefill into an empty cache attends over the new tokens with
   the expanded path; a longer chunk into a non-empty cache (chunked prefill, or packed sequences of
-  different lengths) expands each sequence's cached latent and runs ``mla_attention_varlen``
+  different lengths) expands each sequence's cached latent and runs ``mla_attention_packed_varlen``
   (bottom-right causal). The absorbed weights are
   computed once and recomputed when ``kv_b_proj.weight`` changes (tracked by its version counter,
   storage and dtype; call :meth:`MultiHeadLatentAttention.invalidate_absorbed` after writing
@@ -32,7 +33,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .._ops import eager_direct, split_views
+from .._ops import eager_direct
 from .cache import MLACache, _to_device
 from .rope import _HAS_TRITON, RotaryEmbedding, mla_softmax_scale
 
@@ -319,28 +320,21 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_pe = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
-    def _expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent (..., r) -> per-head k_nope (..., H, qk_nope) and V (..., H, Dv) (strided views of one
-        projection)."""
+    def _attend(self, q, c, k_pe, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                deterministic: bool = False) -> torch.Tensor:
+        """Causal (bottom-right) attention of the roped query q (..., H, qk_nope + qk_rope) over the latent c
+        (..., r) and the roped shared key k_pe (..., d_rope): dense (B, S, ...) or, with cu_seqlens, packed (T, ...).
+        The latent's up-projection kv (..., H, qk_nope + v) goes to mla_attention_packed whole, as q does, so the
+        backward hands both projections their gradients whole. Returns (..., H, Dv)."""
         kv = self.kv_b_proj(c).view(*c.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        # split_views (see _project): mla_attention's backward leaves dk_nope and dv as the halves of one tensor
-        k_nope, v = split_views(kv, [self.qk_nope_head_dim, self.v_head_dim])
-        return k_nope, v
-
-    def _attend(self, q_nope, q_pe, c, k_pe, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                max_seqlen_k=None, deterministic: bool = False) -> torch.Tensor:
-        """Causal (bottom-right) attention of the query parts over the latent c (..., r) and the roped
-        shared key k_pe (..., d_rope), expanded per head: dense (B, S, ...) or, with cu_seqlens, packed
-        (T, ...). Returns (..., H, Dv)."""
-        k_nope, v = self._expand(c)
-        k_pe = k_pe.unsqueeze(-2)  # one head, shared by all: mla_attention expands it at its boundary
+        k_pe = k_pe.unsqueeze(-2)  # one head, shared by all
         F_ = _api()
         if cu_seqlens_q is not None:
-            return F_.mla_attention_varlen(q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, causal=True, causal_align="bottom_right",
-                                           softmax_scale=self.softmax_scale, deterministic=deterministic)
-        return F_.mla_attention(q_nope, q_pe, k_nope, k_pe, v, causal=True, causal_align="bottom_right",
-                                softmax_scale=self.softmax_scale, deterministic=deterministic)
+            return F_.mla_attention_packed_varlen(q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal=True, causal_align="bottom_right",
+                                                  softmax_scale=self.softmax_scale, deterministic=deterministic)
+        return F_.mla_attention_packed(q, kv, k_pe, causal=True, causal_align="bottom_right",
+                                       softmax_scale=self.softmax_scale, deterministic=deterministic)
 
     @staticmethod
     def _varlen_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -418,11 +412,11 @@ class MultiHeadLatentAttention(nn.Module):
                 rope = self._default_rope(h.shape[1], h.device)
             else:
                 position_ids = torch.arange(h.shape[1], device=h.device)
-        q_nope, q_pe, c, k_pe = self._project(h, position_ids, rope)
+        q, c, k_pe = self._project(h, position_ids, rope)
         if packed:
-            o = self._attend(q_nope, q_pe, c, k_pe, cu, cu, max_seqlen, max_seqlen, deterministic=deterministic)
+            o = self._attend(q, c, k_pe, cu, cu, max_seqlen, max_seqlen, deterministic=deterministic)
         else:
-            o = self._attend(q_nope, q_pe, c, k_pe, deterministic=deterministic)
+            o = self._attend(q, c, k_pe, deterministic=deterministic)
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
 
     def _check_input(self, h: torch.Tensor, cache: MLACache | None) -> None:
@@ -456,22 +450,19 @@ class MultiHeadLatentAttention(nn.Module):
         return tables
 
     def _project(self, h, position_ids, rope=None):
-        """Queries (nope, roped pe), normalized latent and roped shared key for hidden states h.
+        """Roped query, normalized latent and roped shared key for hidden states h.
 
-        q_nope (..., H, qk_nope) and q_pe (..., H, qk_rope) are the two parts of one new tensor: the query
-        projection with RoPE applied to its last qk_rope columns, the nope columns copied beside them, in one
-        pass (on CUDA one Triton launch, see `apply_rotary`'s keep). Their gradients come back from
-        mla_attention as the two parts of one tensor too (split_views), so neither direction concatenates the
-        query. k_pe (..., qk_rope) is the rotated slice of the latent projection, c (..., kv_lora_rank). rope: (cos,
-        sin) to use instead of those of position_ids."""
+        q (..., H, qk_nope + qk_rope) is one new tensor: the query projection with RoPE applied to its last qk_rope
+        columns, the nope columns copied beside them, in one pass (on CUDA one Triton launch, see `apply_rotary`'s
+        keep); its gradient comes back whole from mla_attention_packed. k_pe (..., qk_rope) is the rotated slice of
+        the latent projection, c (..., kv_lora_rank). rope: (cos, sin) to use instead of those of position_ids."""
         q = self._queries(h)
         c, k_pe = self._latents(h)
         # (..., d/2), broadcast over the batch when (S,); rope: the tables of positions 0..S-1 (_default_rope)
         cos, sin = rope if rope is not None else self.rotary(position_ids)
         q = self.rotary.rotate(q, cos.unsqueeze(-2), sin.unsqueeze(-2), keep=self.qk_nope_head_dim)
-        q_nope, q_pe = split_views(q, [self.qk_nope_head_dim, self.qk_rope_head_dim])
         k_pe = self.rotary.rotate(k_pe, cos, sin)
-        return q_nope, q_pe, c, k_pe
+        return q, c, k_pe
 
     def _forward_cached(self, h, position_ids, cu_seqlens, max_seqlen, cache: MLACache) -> torch.Tensor:
         if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in self.parameters())):
@@ -499,14 +490,15 @@ class MultiHeadLatentAttention(nn.Module):
                 raise ValueError(f"batch {h.shape[0]} != cache batch {cache.batch}")
             if position_ids is None:
                 position_ids = cache.positions(h.shape[1]).to(h.device)
-        q_nope, q_pe, c, k_pe = self._project(h, position_ids)
+        q, c, k_pe = self._project(h, position_ids)
         cache.append(c, k_pe, cu_seqlens=cu_seqlens if packed else None, new_lengths=counts)
         if empty:
             # Prefill into an empty cache: plain causal attention over the new tokens, expanded.
-            o = self._attend(q_nope, q_pe, c, k_pe, *((cu, cu, max_seqlen, max_seqlen) if packed else ()))
+            o = self._attend(q, c, k_pe, *((cu, cu, max_seqlen, max_seqlen) if packed else ()))
             return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
         if not packed and h.shape[1] <= self.absorb_max_new_tokens:
             # Decode steps (and short chunks): weight-absorbed attention on the latent cache.
+            q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
             o = self._absorbed_attention(q_nope, q_pe, cache)  # (B, S, H, v)
             return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))
         # Longer chunks into a non-empty cache (chunked prefill), or packed continuations: expand the
@@ -515,11 +507,11 @@ class MultiHeadLatentAttention(nn.Module):
         if packed:
             q_cu, max_q = cu, max_seqlen
         else:
-            B, S = q_nope.shape[:2]
-            q_nope, q_pe = q_nope.flatten(0, 1), q_pe.flatten(0, 1)
+            B, S = q.shape[:2]
+            q = q.flatten(0, 1)
             q_cu = torch.arange(0, B * S + 1, S, device=h.device, dtype=torch.int32)
             max_q = S
-        o = self._attend(q_nope, q_pe, ckv_all.to(c.dtype), kpe_all.to(k_pe.dtype), q_cu, cu_k, max_q, max_k)
+        o = self._attend(q, ckv_all.to(c.dtype), kpe_all.to(k_pe.dtype), q_cu, cu_k, max_q, max_k)
         if not packed:
             o = o.view(B, S, self.num_heads, self.v_head_dim)
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_head_dim))

@@ -34,6 +34,11 @@ class _NaiveAPI:
         k_pe = k_pe.expand(*k_nope.shape[:-1], k_pe.shape[-1])
         return _NaiveAPI.attention(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, **kw)
 
+    @staticmethod
+    def mla_attention_packed(q, kv, k_pe, **kw):
+        dn = q.shape[-1] - k_pe.shape[-1]
+        return _NaiveAPI.mla_attention(q[..., :dn], q[..., dn:], kv[..., :dn], k_pe, kv[..., dn:], **kw)
+
 
 def _layers(hidden=512, heads=16, seed=0):
     torch.manual_seed(seed)

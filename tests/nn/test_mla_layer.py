@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mla_autograd.nn import MLACache, MultiHeadLatentAttention
+from mla_autograd.testing import compiled_backward_graphs, graph_cats
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
         "mscale_all_dim": 0.707}
@@ -51,7 +52,7 @@ def test_cache_holds_normalized_latent_and_roped_key():
     with torch.no_grad():
         m(x[:, :5], cache=cache)
         m(x[:, 5:], cache=cache)
-        _, _, c, k_pe = m._project(x, torch.arange(9))
+        _, c, k_pe = m._project(x, torch.arange(9))
     for b in range(2):
         ckv, kpe = cache.gather(b)
         torch.testing.assert_close(ckv, c[b], atol=1e-13, rtol=1e-13)
@@ -276,3 +277,14 @@ def test_input_dtype_and_device_must_match_the_layer():
     ref = m(x.float())
     assert torch.isfinite(y.float()).all()
     torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.1)
+
+
+def test_compiled_backward_hands_the_projections_their_gradients_whole():
+    """Under torch.compile the training step's backward gives kv_b_proj its gradient as the attention's backward
+    leaves it, with no concatenation of dk_nope and dv (nor of dq_nope and dq_pe for the query): the
+    concatenations left are the latent row's [c | k_pe] and, on this CPU path only, one of the query's that the
+    rotary's torch ops make in their backward (the CUDA rotary op makes none)."""
+    m = make_layer(20, dtype=torch.float32)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    cats = graph_cats(compiled_backward_graphs(lambda x_: m(x_).sum(), x))
+    assert sorted(cats) == [(2, 5, 4, 16 + 8), (2, 5, 32 + 8)], cats
