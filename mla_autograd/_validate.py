@@ -253,15 +253,34 @@ def check_decode_explain(q_nope, q_pe, ckv_cache) -> None:
         raise ValueError("ckv_cache page_size (dim 1) must be >= 1")
 
 
-def _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, rank: int) -> None:
-    names = (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v))
+def _check_mla_tensors(names, rank: int) -> None:
+    """Each (name, tensor) a tensor of `rank` dims with unit last stride, the first of a float dtype and the others
+    of its dtype and device."""
     for n, t in names:
         _check_tensor(n, t, rank)
-    _check_float("q_nope", q_nope)
+    ref_name, ref = names[0]
+    _check_float(ref_name, ref)
     for n, t in names[1:]:
-        _same(n, t, "q_nope", q_nope)
+        _same(n, t, ref_name, ref)
     for n, t in names:
         _check_last_stride(n, t)
+
+
+def _check_mla_heads(q_name: str, hq: int, kv_names: str, hkv: int, k_pe, key_name: str, key, rank: int) -> None:
+    """Hq a multiple of Hkv; k_pe with the key's leading dims and 1 or Hkv heads."""
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"number of query heads ({hq}, {q_name}) must be a multiple of the number of "
+                         f"key/value heads ({hkv}) in {kv_names}")
+    lead = "(B, Sk)" if rank == 4 else "(Tk,)"
+    if k_pe.shape[:-2] != key.shape[:-2]:
+        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} must match {key_name} shape {tuple(key.shape)} in {lead}")
+    if k_pe.shape[-2] not in (1, hkv):
+        raise ValueError(f"k_pe must have 1 head (the rope key shared by every head) or as many as {key_name} "
+                         f"({hkv}), got {k_pe.shape[-2]}")
+
+
+def _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, rank: int) -> None:
+    _check_mla_tensors((("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)), rank)
     lead = "(B, Sq, Hq)" if rank == 4 else "(Tq, Hq)"
     if q_pe.shape[:-1] != q_nope.shape[:-1]:
         raise ValueError(f"q_pe shape {tuple(q_pe.shape)} must match q_nope shape {tuple(q_nope.shape)} in {lead}")
@@ -270,16 +289,7 @@ def _check_mla_parts(q_nope, q_pe, k_nope, k_pe, v, rank: int) -> None:
         raise ValueError(f"v shape {tuple(v.shape)} must match k_nope shape {tuple(k_nope.shape)} in {lead}")
     if rank == 4 and k_nope.shape[0] != q_nope.shape[0]:
         raise ValueError(f"k_nope batch size {k_nope.shape[0]} must equal q_nope batch size {q_nope.shape[0]}")
-    hq, hkv = q_nope.shape[-2], k_nope.shape[-2]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"number of query heads ({hq}, q_nope) must be a multiple of the number of "
-                         f"key/value heads ({hkv}) in k_nope and v")
-    lead = "(B, Sk)" if rank == 4 else "(Tk,)"
-    if k_pe.shape[:-2] != k_nope.shape[:-2]:
-        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} must match k_nope shape {tuple(k_nope.shape)} in {lead}")
-    if k_pe.shape[-2] not in (1, hkv):
-        raise ValueError(f"k_pe must have 1 head (the rope key shared by every head) or as many as k_nope "
-                         f"({hkv}), got {k_pe.shape[-2]}")
+    _check_mla_heads("q_nope", q_nope.shape[-2], "k_nope and v", k_nope.shape[-2], k_pe, "k_nope", k_nope, rank)
     if k_nope.shape[-1] != q_nope.shape[-1]:
         raise ValueError(f"k_nope head dim {k_nope.shape[-1]} must equal q_nope head dim {q_nope.shape[-1]}")
     if k_pe.shape[-1] != q_pe.shape[-1]:
@@ -298,14 +308,7 @@ def check_mla_attention(q_nope, q_pe, k_nope, k_pe, v) -> None:
 def _check_mla_packed(q, kv, k_pe, rank: int) -> int:
     """q (..., Hq, Dn + Dr), kv (..., Hkv, Dn + Dv), k_pe (..., 1 or Hkv, Dr), leading dims (B, S) (rank 4) or
     (T,) (rank 3); returns Dn, q's last dim less k_pe's."""
-    names = (("q", q), ("kv", kv), ("k_pe", k_pe))
-    for n, t in names:
-        _check_tensor(n, t, rank)
-    _check_float("q", q)
-    for n, t in names[1:]:
-        _same(n, t, "q", q)
-    for n, t in names:
-        _check_last_stride(n, t)
+    _check_mla_tensors((("q", q), ("kv", kv), ("k_pe", k_pe)), rank)
     dr = k_pe.shape[-1]
     if not 0 < dr < q.shape[-1]:
         raise ValueError(f"k_pe head dim ({dr}) must be positive and smaller than q's ({q.shape[-1]}): q holds "
@@ -316,16 +319,7 @@ def _check_mla_packed(q, kv, k_pe, rank: int) -> int:
                          f"less k_pe's {dr}): kv holds [k_nope | v] in its last dim")
     if rank == 4 and kv.shape[0] != q.shape[0]:
         raise ValueError(f"kv batch size {kv.shape[0]} must equal q batch size {q.shape[0]}")
-    hq, hkv = q.shape[-2], kv.shape[-2]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"number of query heads ({hq}, q) must be a multiple of the number of key/value heads "
-                         f"({hkv}, kv)")
-    lead = "(B, Sk)" if rank == 4 else "(Tk,)"
-    if k_pe.shape[:-2] != kv.shape[:-2]:
-        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} must match kv shape {tuple(kv.shape)} in {lead}")
-    if k_pe.shape[-2] not in (1, hkv):
-        raise ValueError(f"k_pe must have 1 head (the rope key shared by every head) or as many as kv ({hkv}), "
-                         f"got {k_pe.shape[-2]}")
+    _check_mla_heads("q", q.shape[-2], "kv", kv.shape[-2], k_pe, "kv", kv, rank)
     return dn
 
 

@@ -156,7 +156,7 @@ def _ok():
     (lambda p: [p[0][..., :DR], p[1], p[2]], ValueError, r"k_pe head dim \(4\) must be positive and smaller than q's"),
     (lambda p: [p[0], p[1][..., :DN], p[2]], ValueError, r"kv head dim \(8\) must exceed the nope dim 8"),
     (lambda p: [p[0], p[1][:1], p[2][:1]], ValueError, "kv batch size 1 must equal q batch size 2"),
-    (lambda p: [p[0][:, :, :3], *p[1:]], ValueError, r"query heads \(3, q\) must be a multiple .* \(2, kv\)"),
+    (lambda p: [p[0][:, :, :3], *p[1:]], ValueError, r"query heads \(3, q\) must be a multiple of the number of key/value heads \(2\) in kv"),
     (lambda p: [p[0], p[1], p[2][:, :5]], ValueError, r"k_pe shape .* must match kv shape .* in \(B, Sk\)"),
     (lambda p: [p[0], p[1], p[2].expand(2, 6, 3, DR)], ValueError, r"k_pe must have 1 head .* \(2\), got 3"),
 ])
