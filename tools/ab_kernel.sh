@@ -11,7 +11,11 @@
 #           (or, for a launch option, bench/bench_decode.py --ab FIELD=VALUE,... in one process)
 #   One build, two settings (a run-time knob such as MLA_BWD_SM90_KV_PREFETCH): no baseline files needed,
 #           SAME_BUILD=1 ENV_A="MLA_BWD_SM90_KV_PREFETCH=0" bash tools/ab_kernel.sh
-# Knobs: FAMILY, EXTRA_FAMILIES (built for B only, e.g. for the API tests), TESTS (B's test files),
+#   Beside FlashAttention-4 instead of cuDNN: FA4=1 (FA4_ARGS: --fwd or --bwd, default both;
+#           FA4 importable as flash_attn.cute): tools/ab_fa4.py in each round, its rows
+#           compared at the end (tools/ab_fa4.py --compare). Both families built: FAMILY=fmha_fwd_sm90
+#           EXTRA_FAMILIES=fmha_bwd_sm90 (B), and for A too with the baseline of each.
+# Knobs: FAMILY, EXTRA_FAMILIES (built for B, and for A when FA4=1, e.g. for the API tests), FA4, FA4_ARGS, TESTS (B's test files),
 # TEST_T (seconds per file), ROUNDS (A/B pairs), PROFILE (tools/profile_ops.py arguments, run with --kernel-only),
 # SAME_BUILD=1 (A is B's build), ENV_A / ENV_B (VAR=value words exported for A's / B's profile runs),
 # BASELINE (the baseline files' folder), AB_WORK (A's tree and both kernel caches; default $TMPDIR/mla_ab),
@@ -29,10 +33,13 @@ fi
 CALLER_PATH="${PYTHONPATH:+:$PYTHONPATH}"  # where the caller found nvidia-cutlass (the check above), kept
 export PYTHONPATH="$SITE:$PWD$CALLER_PATH" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
 FAMILY="${FAMILY:-fmha_bwd_sm90}"
+TOOLS="$PWD/tools"
 if [ -z "${SAME_BUILD:-}" ]; then
   [ -d "$BASE" ] || { echo "no $BASE/ with baseline files"; exit 1; }
   rm -rf "$WORKD/A" && mkdir -p "$WORKD/A" && cp -r mla_autograd csrc bench tests tools "$WORKD/A/" && cp -r "$BASE/." "$WORKD/A/"
-  (cd "$WORKD/A" && PYTHONPATH="$SITE:$WORKD/A$CALLER_PATH" MLA_AUTOGRAD_CACHE="$WORKD/cache_A" python3 -m mla_autograd.build --family "$FAMILY" >"$OUTD/build_A.log" 2>&1) &
+  for f in "$FAMILY" ${FA4:+${EXTRA_FAMILIES:-}}; do
+    (cd "$WORKD/A" && PYTHONPATH="$SITE:$WORKD/A$CALLER_PATH" MLA_AUTOGRAD_CACHE="$WORKD/cache_A" python3 -m mla_autograd.build --family "$f" >"$OUTD/build_A_$f.log" 2>&1) &
+  done
 fi
 MLA_AUTOGRAD_CACHE="$WORKD/cache_B" python3 -m mla_autograd.build --family "$FAMILY" --ptxas-verbose >"$OUTD/build_B.log" 2>&1 &
 for f in ${EXTRA_FAMILIES:-}; do MLA_AUTOGRAD_CACHE="$WORKD/cache_B" python3 -m mla_autograd.build --family "$f" >"$OUTD/build_$f.log" 2>&1 & done
@@ -48,9 +55,16 @@ for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
     envs="${ENV_A:-}"
     if [ -n "${SAME_BUILD:-}" ]; then cache="$WORKD/cache_B"; else d="$WORKD/A"; fi
   fi
+  if [ -n "${FA4:-}" ]; then
+    # the baseline tree runs this tree's tools/ab_fa4.py, so that both sides time the same rows the same way
+    (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="$SITE:$d$CALLER_PATH" MLA_AUTOGRAD_CACHE="$cache" timeout 300 python3 "$TOOLS/ab_fa4.py" \
+       "$v$r" "$OUTD/fa4_$v$r.json" ${FA4_ARGS:-} 2>&1 | grep -E "^$v$r |Error|error" | cut -c1-140)
+    continue
+  fi
   (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="$SITE:$d$CALLER_PATH" MLA_AUTOGRAD_CACHE="$cache" timeout 150 python3 tools/profile_ops.py --kernel-only \
      ${PROFILE:---bwd 192 causal} >"$OUTD/prof_$v$r.txt" 2>&1)
   echo "== $v round $r"
   grep -E "^  (kernel entry|sdpa_cudnn)|^backward|fmha_bwd_sm90_|flash_bprop|dot_do_o|convert_dq|^decode |mla_decode_" "$OUTD/prof_$v$r.txt" \
     | sed -E 's/void fmha_bwd_sm90::fmha_bwd_sm90_//; s/cudnn_generated_fort_native_sdpa_sm90_//' | cut -c1-100
 done; done
+[ -z "${FA4:-}" ] || python3 tools/ab_fa4.py --compare "$OUTD"/fa4_*.json
