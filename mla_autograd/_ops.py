@@ -9,6 +9,7 @@ functional API). Inputs here are already validated by the functional API.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -90,6 +91,29 @@ def eager_direct(*tensors: Tensor) -> bool:
     (_attn_fwd, _attn_bwd, _mla_decode) directly instead of through torch.ops: the same code without
     the Python custom-op dispatcher (~55 us of host time per call measured on a 2-core CPU)."""
     return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+
+
+def _differentiable_call(op, eager_function, body, tensors: tuple, args: tuple):
+    """An attention op's differentiable forward: the op under torch.compile and for tensor subclasses; for plain
+    eager tensors (eager_direct) eager_function, the op's body with its registered autograd, where autograd records
+    the call (a tensor requires grad), else the body itself. tensors: the op's differentiable inputs."""
+    if not eager_direct(*tensors):
+        return op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return eager_function.apply(*args)
+    return body(*args)
+
+
+def _backward_call(ctx, op, body, tensors: tuple, args: tuple):
+    """A backward op's result inside the forward's registered backward (autograd context ctx): its body for plain
+    eager tensors, else the op. create_graph=True runs this with grad enabled: then the op, which raises (no double
+    backward). A fallback warning of the backward points at the forward's call site (ctx.call_site)."""
+    direct = eager_direct(*tensors) and not torch.is_grad_enabled()
+    _dispatch.set_backward_site(ctx.call_site)
+    try:
+        return (body if direct else op)(*args)
+    finally:
+        _dispatch.set_backward_site(None)
 
 
 def _empty_problem(q: Tensor, k: Tensor) -> bool:
@@ -239,16 +263,9 @@ def _run_attn_bwd(ctx, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                   dv_out: Optional[Tensor] = None, dk_over_k: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) by attn_bwd for a forward whose autograd context is ctx (ctx.args, ctx.call_site). dv_out,
     dk_over_k: see _attn_bwd_into; the returned dv is dv_out only where a kernel wrote it there."""
-    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
-    direct = eager_direct(dout, q, k, v) and not torch.is_grad_enabled()
-    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
-    try:
-        if direct:
-            return _attn_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, dv_out=dv_out,
-                                  dk_over_k=dk_over_k)
-        return attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args)
-    finally:
-        _dispatch.set_backward_site(None)
+    body = functools.partial(_attn_bwd_into, dv_out=dv_out, dk_over_k=dk_over_k)
+    return _backward_call(ctx, attn_bwd, body, (dout, q, k, v),
+                          (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args))
 
 
 def _attn_fwd_backward(ctx, dout: Tensor, _dlse):
@@ -292,11 +309,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], c
     op's body (eager_direct)."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, bottom_right,
             deterministic)
-    if not eager_direct(q, k, v):
-        return attn_fwd(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttnFwd.apply(*args)
-    return _attn_fwd(*args)
+    return _differentiable_call(attn_fwd, _EagerAttnFwd, _attn_fwd, (q, k, v), args)
 
 
 # ---- MLA's split query / key: mla_attn_fwd reads the parts in place where a kernel row serves it ----
@@ -420,10 +433,9 @@ def _mla_attn_bwd_into(dout: Tensor, q_nope: Tensor, q_pe: Tensor, k_nope: Tenso
 
     Where the table's mla_bwd rows pick a kernel it reads the parts in place and writes dk as dk_nope and dk_pe;
     anywhere else the parts are concatenated (concat_mla_parts) for attn_bwd's body and dk split back
-    (_split_mla_grads). dkv (eager callers only: the op's schema has none): a (..., Hkv, Dn + Dv) buffer where
-    k_nope and v lie side by side as its two halves (adjacent_parts, the layer's key/value projection): dk_nope
-    and dv are then written into its halves and returned as those views (mla_attn_packed_fwd's backward returns
-    dkv itself)."""
+    (_split_mla_grads). dkv (mla_attn_packed_bwd's; mla_attn_bwd passes none): a new (..., Hkv, Dn + Dv) buffer,
+    the gradient of the tensor whose two halves k_nope and v are: dk_nope and dv are then written into its halves
+    and returned as those views."""
     dn = q_nope.shape[-1]
     dk_out = None if dkv is None else dkv[..., :dn]
     dv_out = None if dkv is None else dkv[..., dn:]
@@ -497,16 +509,8 @@ def _mla_attn_fwd_setup_context(ctx, inputs, output) -> None:
 def _mla_attn_fwd_backward(ctx, dout: Tensor, _dlse):
     q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     saved = (q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
-    direct = eager_direct(dout, q_nope, q_pe, k_nope, k_pe, v) and not torch.is_grad_enabled()
-    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
-    try:
-        if direct:
-            dq, dk_nope, dk_pe, dv = _mla_attn_bwd_into(dout, *saved, *ctx.args)
-        else:
-            dq, dk_nope, dk_pe, dv = mla_attn_bwd(dout, *saved, *ctx.args)
-    finally:
-        _dispatch.set_backward_site(None)
+    dq, dk_nope, dk_pe, dv = _backward_call(ctx, mla_attn_bwd, _mla_attn_bwd_into,
+                                            (dout, q_nope, q_pe, k_nope, k_pe, v), (dout, *saved, *ctx.args))
     dn = q_nope.shape[-1]
     return (dq[..., :dn], dq[..., dn:], dk_nope, dk_pe, dv, *(None,) * (len(ctx.args) + 2))
 
@@ -525,12 +529,7 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v:
     op, its eager autograd Function and its body."""
     args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, bottom_right, deterministic)
-    parts = (q_nope, q_pe, k_nope, k_pe, v)
-    if not eager_direct(*parts):
-        return mla_attn_fwd(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
-        return _EagerMlaAttnFwd.apply(*args)
-    return _mla_attn_fwd(*args)
+    return _differentiable_call(mla_attn_fwd, _EagerMlaAttnFwd, _mla_attn_fwd, (q_nope, q_pe, k_nope, k_pe, v), args)
 
 
 # ---- the packed MLA op: q = [q_nope | q_pe] and kv = [k_nope | v] as MLA's projections produce them ----
@@ -607,14 +606,8 @@ def _mla_attn_packed_setup_context(ctx, inputs, output) -> None:
 def _mla_attn_packed_backward(ctx, dout: Tensor, _dlse):
     q, kv, k_pe, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     saved = (q, kv, k_pe, out, lse, ctx.d_nope, cu_seqlens_q, cu_seqlens_k)
-    # create_graph=True runs this with grad enabled: the op then raises (no double backward)
-    direct = eager_direct(dout, q, kv, k_pe) and not torch.is_grad_enabled()
-    _dispatch.set_backward_site(ctx.call_site)  # where a fallback warning of this backward points
-    try:
-        bwd = _mla_attn_packed_bwd if direct else mla_attn_packed_bwd
-        dq, dkv, dk_pe = bwd(dout, *saved, *ctx.args)
-    finally:
-        _dispatch.set_backward_site(None)
+    dq, dkv, dk_pe = _backward_call(ctx, mla_attn_packed_bwd, _mla_attn_packed_bwd, (dout, q, kv, k_pe),
+                                    (dout, *saved, *ctx.args))
     return (dq, dkv, dk_pe, *(None,) * (len(ctx.args) + 3))
 
 
@@ -632,11 +625,7 @@ def mla_attention_packed(q: Tensor, kv: Tensor, k_pe: Tensor, d_nope: int, cu_se
     the op, its eager autograd Function and its body."""
     args = (q, kv, k_pe, d_nope, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             bottom_right, deterministic)
-    if not eager_direct(q, kv, k_pe):
-        return mla_attn_packed_fwd(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, k_pe)):
-        return _EagerMlaAttnPackedFwd.apply(*args)
-    return _mla_attn_packed_fwd(*args)
+    return _differentiable_call(mla_attn_packed_fwd, _EagerMlaAttnPackedFwd, _mla_attn_packed_fwd, (q, kv, k_pe), args)
 
 
 def _mla_decode(q_nope: Tensor, q_pe: Tensor, ckv_cache: Tensor, kpe_cache: Tensor, block_table: Tensor,
