@@ -1,6 +1,6 @@
 """MLA's split query / key as the GPU tests of the MLA-native SM90 kernels make them (test_fmha_fwd_sm90_mla.py,
 test_fmha_bwd_sm90_mla.py): the part head dims, random parts (alone or as views of a layer's projections), their
-concatenation for the reference call, cu_seqlens, the parameter ids."""
+concatenation for the reference call, cu_seqlens (test_fmha_fwd_sm90.py's too), the parameter ids."""
 from __future__ import annotations
 
 import itertools

@@ -29,6 +29,7 @@ if not _CAP_OK:
 
 from mla_autograd import reference  # noqa: E402
 from mla_autograd.testing import assert_error_within, naive_attention  # noqa: E402
+from mla_parts import cu_seqlens  # noqa: E402
 
 DEV = "cuda"
 DIMS = [(192, 128), (128, 128), (64, 64)]
@@ -167,8 +168,8 @@ def test_varlen(ext, dims, dtype, mask, case, heads):
     hq, hkv = heads
     lq, lk = VARLEN_CASES[case]
     g = torch.Generator(device=DEV).manual_seed(100 + case)
-    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cu_q = cu_seqlens(lq)
+    cu_k = cu_seqlens(lk)
     q = _rand((sum(lq), hq, d), dtype, g)
     k = _rand((sum(lk), hkv, d), dtype, g)
     v = _rand((sum(lk), hkv, dv), dtype, g)
@@ -242,8 +243,8 @@ def test_l2_group_launch_order(ext, group):
         # varlen: 4 sequences (one empty) x 2 heads (varlen tiles are a list of the sequences' own M-blocks,
         # which the grouping does not reorder: the same results under every group size)
         lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
-        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        cu_q = cu_seqlens(lq)
+        cu_k = cu_seqlens(lk)
         q = _rand((sum(lq), 2, d), torch.bfloat16, g)
         k = _rand((sum(lk), 2, d), torch.bfloat16, g)
         v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
@@ -270,8 +271,8 @@ def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
                      options={"ctas": ctas, "dynamic": dynamic}, name=f"ctas {ctas} dense {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} dense {d} {causal} {br}"
         lq, lk = [129, 0, 300, 17, 1], [200, 5, 300, 640, 1]
-        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        cu_q = cu_seqlens(lq)
+        cu_k = cu_seqlens(lk)
         q = _rand((sum(lq), 2, d), torch.bfloat16, g)
         k = _rand((sum(lk), 2, d), torch.bfloat16, g)
         v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
@@ -295,8 +296,8 @@ def test_varlen_tile_list_over_many_sequences(ext, grid):
     lq = [rng.choice([0, 0, 1, 63, 64, 65, 127, 128, 129, rng.randint(1, 400)]) for _ in range(74)] + [517]
     lk = [x if rng.random() < 0.7 else rng.randint(0, 300) for x in lq]
     lq[5], lk[5] = 70, 0  # queries with no key: O = 0, LSE = -inf, no load
-    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    cu_q = cu_seqlens(lq)
+    cu_k = cu_seqlens(lk)
     g = torch.Generator(device=DEV).manual_seed(12)
     for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
         q = _rand((sum(lq), 3, d), torch.bfloat16, g)
@@ -319,8 +320,8 @@ def test_narrow_key_block_without_mask(ext, dims, varlen):
     g = torch.Generator(device=DEV).manual_seed(13)
     if varlen:
         lq, lk = [333, 0, 129, 17], [533, 7, 176, 300]
-        cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
-        cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+        cu_q = cu_seqlens(lq)
+        cu_k = cu_seqlens(lk)
         q = _rand((sum(lq), 4, d), torch.bfloat16, g)
         k = _rand((sum(lk), 2, d), torch.bfloat16, g)
         v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
