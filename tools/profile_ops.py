@@ -404,7 +404,7 @@ def launch_overhead(calls: int = 200, top: int = 18) -> None:
     # the layer's own forward, piece by piece: host time of each part of one call with grad on (what the
     # training step's forward issues), queued behind nothing
     h = torch.randn(1, 4096, 7168, device=dev, dtype=dt, requires_grad=True)
-    pieces = ("_queries", "_latents", "rotary", "_attend", "o_proj")
+    pieces = ("_queries", "_latents", "rotary q", "rotary k_pe", "_attend", "o_proj")
     spent = {p: [] for p in pieces}
 
     def timed(obj, attr, key):
@@ -419,7 +419,8 @@ def launch_overhead(calls: int = 200, top: int = 18) -> None:
 
     timed(layer, "_queries", "_queries")
     timed(layer, "_latents", "_latents")
-    timed(layer.rotary, "rotate", "rotary")
+    timed(layer.rotary, "rotate_heads", "rotary q")
+    timed(layer.rotary, "rotate", "rotary k_pe")
     timed(layer, "_attend", "_attend")
     timed(layer.o_proj, "forward", "o_proj")
     total = []

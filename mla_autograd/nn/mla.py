@@ -308,12 +308,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------ pieces
     def _queries(self, h: torch.Tensor) -> torch.Tensor:
-        """The query projection (..., H, qk_nope + qk_rope), before RoPE."""
+        """The query projection (..., H * (qk_nope + qk_rope)), before RoPE, as the last linear layer returns it."""
         if self.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        return q.view(*h.shape[:-1], self.num_heads, self.qk_head_dim)
+            return self.q_proj(h)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
 
     def _latents(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ckv = self.kv_a_proj_with_mqa(h)
@@ -452,15 +450,19 @@ class MultiHeadLatentAttention(nn.Module):
     def _project(self, h, position_ids, rope=None):
         """Roped query, normalized latent and roped shared key for hidden states h.
 
-        q (..., H, qk_nope + qk_rope) is one new tensor: the query projection with RoPE applied to its last qk_rope
-        columns, the nope columns copied beside them, in one pass (on CUDA one Triton launch, see `apply_rotary`'s
-        keep); its gradient comes back whole from mla_attention_packed. k_pe (..., qk_rope) is the rotated slice of
-        the latent projection, c (..., kv_lora_rank). rope: (cos, sin) to use instead of those of position_ids."""
+        q (..., H, qk_nope + qk_rope) is the query projection with RoPE applied to each head's last qk_rope
+        columns: on CUDA rotated in place in the projection's output, one Triton launch that leaves the nope
+        columns where they are (`RotaryEmbedding.rotate_heads`; its backward rotates the rope columns of the
+        query's gradient in place too), elsewhere one new tensor. Its gradient comes back whole from
+        mla_attention_packed. k_pe (..., qk_rope) is the rotated slice of the latent projection, c (...,
+        kv_lora_rank). rope: (cos, sin) to use instead of those of position_ids."""
         q = self._queries(h)
         c, k_pe = self._latents(h)
         # (..., d/2), broadcast over the batch when (S,); rope: the tables of positions 0..S-1 (_default_rope)
         cos, sin = rope if rope is not None else self.rotary(position_ids)
-        q = self.rotary.rotate(q, cos.unsqueeze(-2), sin.unsqueeze(-2), keep=self.qk_nope_head_dim)
+        # grad_in_place: q's only consumer is the attention, whose backward hands q's gradient over as a new tensor
+        q = self.rotary.rotate_heads(q, cos.unsqueeze(-2), sin.unsqueeze(-2), self.num_heads,
+                                     keep=self.qk_nope_head_dim, grad_in_place=True)
         k_pe = self.rotary.rotate(k_pe, cos, sin)
         return q, c, k_pe
 

@@ -261,6 +261,63 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     return _rotate_torch(x, cos, sin, interleaved, False, False, keep)
 
 
+def _rope_columns(x: torch.Tensor, heads: int, keep: int) -> torch.Tensor:
+    """The rotary columns of x (..., heads * (keep + D)) as a 4-d view (A, B, C, D) for the kernel: per head the
+    D columns after its first `keep`, leading size-1 dims where x has fewer. Metadata only."""
+    xv = x.view(*x.shape[:-1], heads, x.shape[-1] // heads)[..., keep:]
+    return xv[(None,) * (4 - xv.dim())] if xv.dim() < 4 else xv
+
+
+def _rotate_heads_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int,
+                           x_interleaved: bool, out_interleaved: bool, negate_sin: bool) -> None:
+    """Rotate the rotary columns of every head of x (..., heads * (keep + D)) in place: one launch of the kernel
+    with x's rotary columns as both its input and its output (each program loads its rows whole before it
+    stores them, so the two may alias), the `keep` columns untouched. cos/sin (..., 1, D/2) float32."""
+    from . import _rope_triton
+    x4 = _rope_columns(x, heads, keep)
+    cos4 = cos.expand(*x4.shape[:-1], cos.shape[-1])
+    sin4 = sin.expand(*x4.shape[:-1], sin.shape[-1])
+    _rope_triton.rotate(x4, cos4, sin4, x4, x_interleaved=x_interleaved, out_interleaved=out_interleaved,
+                        negate_sin=negate_sin)
+
+
+class _RotaryHeadsInPlace(torch.autograd.Function):
+    """RotaryEmbedding.rotate_heads on the kernel path: the rotary columns of x rotated where they are (the
+    `keep` columns are neither read nor written), x returned marked dirty. The backward rotates the rotary
+    columns of the incoming gradient back: in place where the caller said that the gradient is its own
+    (grad_in_place; a gradient that does not view as heads with unit stride is copied first), else into a new
+    tensor. Under create_graph=True it is the differentiable out-of-place rotation."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, heads, keep, interleaved, grad_in_place):
+        _rotate_heads_in_place(x, cos, sin, heads, keep, interleaved, False, False)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        ctx.flags = (heads, keep, interleaved, grad_in_place)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        cos, sin = ctx.saved_tensors
+        heads, keep, interleaved, grad_in_place = ctx.flags
+        none = (None,) * 6
+        if torch.is_grad_enabled() or not grad_in_place:  # a new tensor (differentiable under create_graph=True)
+            shape4 = (*dx.shape[:-1], heads, dx.shape[-1] // heads)
+            return _rotary(dx.reshape(shape4), cos, sin, interleaved, True, keep).view(dx.shape), *none
+        if dx.stride(-1) != 1 or _rope_columns_unviewable(dx, heads):
+            dx = dx.contiguous()
+        _rotate_heads_in_place(dx, cos, sin, heads, keep, False, interleaved, True)
+        return dx, *none
+
+
+def _rope_columns_unviewable(x: torch.Tensor, heads: int) -> bool:
+    try:
+        x.view(*x.shape[:-1], heads, x.shape[-1] // heads)
+    except RuntimeError:
+        return True
+    return False
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin (float32) for integer positions; holds no parameters or buffers (nothing in state_dict)."""
 
@@ -297,6 +354,43 @@ class RotaryEmbedding(nn.Module):
         cos/sin (..., dim/2) float32 from forward, broadcasting against x without its last dim -> a new
         contiguous tensor of x's shape and dtype, its first `keep` columns x's, the rest half-split."""
         return apply_rotary(x, cos, sin, interleaved=self.interleaved, keep=keep)
+
+    def rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int = 0, *,
+                     grad_in_place: bool = False) -> torch.Tensor:
+        """`rotate` over a projection's output that holds `heads` heads side by side: x (..., heads * (keep + dim)),
+        cos/sin (..., 1, dim/2) float32 (unsqueezed for the heads) -> (..., heads, keep + dim), each head's first
+        `keep` columns x's, the rest rotated into the half-split layout; the same values and gradient as `rotate`
+        on x.view(..., heads, keep + dim).
+
+        On the kernel path (plain CUDA tensors, x contiguous along its last dim and the fresh result of an op, not
+        an autograd view or a leaf that requires grad) x's rotary columns are rotated in place, its `keep` columns
+        neither read nor written (MLA's query: 128 of every 192 columns), and the result is a view of x; x must
+        not be needed by the backward of the op that made it (a linear layer's output is not). With grad_in_place
+        the backward rotates the gradient that reaches the result in place as well: only for a caller that knows
+        that gradient to be a fresh tensor nothing else reads (the layer's query, whose gradient is the
+        attention backward's dq); a gradient passed in by a user (``y.backward(dy)``) would be overwritten.
+        Elsewhere the result is `rotate`'s new tensor."""
+        shape = (*x.shape[:-1], heads, x.shape[-1] // heads)
+        if self._rotates_in_place(x, cos, sin, heads, keep):
+            if torch.is_grad_enabled() and x.requires_grad:
+                x = _RotaryHeadsInPlace.apply(x, cos, sin, heads, keep, self.interleaved, bool(grad_in_place))
+            else:
+                _rotate_heads_in_place(x, cos, sin, heads, keep, self.interleaved, False, False)
+            return x.view(shape)
+        return self.rotate(x.view(shape), cos, sin, keep=keep)
+
+    @staticmethod
+    def _rotates_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int) -> bool:
+        """rotate_heads may rotate x in place: plain eager tensors the kernel takes (`_kernel_takes` on the heads'
+        view), cos/sin not requiring grad, x unit stride along its last dim, not an autograd view, not a leaf
+        that requires grad. Metadata only."""
+        if not eager_direct(x, cos, sin) or x.dim() < 1 or x.shape[-1] % heads or x.stride(-1) != 1:
+            return False
+        if x._is_view() or (x.requires_grad and x.grad_fn is None) or cos.requires_grad or sin.requires_grad:
+            return False
+        if _rope_columns_unviewable(x, heads):
+            return False
+        return _kernel_takes(x.view(*x.shape[:-1], heads, x.shape[-1] // heads), cos, sin, keep)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, interleaved={self.interleaved}, attention_factor={self.attention_factor:g}"

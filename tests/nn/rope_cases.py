@@ -140,6 +140,58 @@ def check_kernel_float32_out(layout: str, interleaved: bool, **dims) -> None:
     assert_bitwise(dx, g32, f"{layout} {dims} interleaved={interleaved}: backward (float32 out)")
 
 
+def check_rotate_heads(device, dtype, *, interleaved: bool, packed: bool, B: int = 2, S: int = 7, H: int = 3,
+                       keep: int = 16, D: int = 8, offset: int = 0) -> None:
+    """RotaryEmbedding.rotate_heads on a projection's output x (..., H * (keep + D)) that holds the heads side by
+    side: the same bits as `rotate` on x's heads view (forward, and the gradient with respect to the tensor x was
+    computed from). On the kernel's devices x is rotated in place (the result views x's storage; the `keep`
+    columns keep their values); a leaf that requires grad, or an autograd view, is left alone (a new tensor)."""
+    torch.manual_seed(3)
+    rot = RotaryEmbedding(D, rope_scaling=YARN, max_position_embeddings=4096, interleaved=interleaved)
+    pos = torch.arange(offset, offset + S, device=device)
+    if packed:
+        pos = pos.repeat(B)
+    cos, sin = rot(pos)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    lead = (B * S,) if packed else (B, S)
+    src = torch.randn(*lead, H * (keep + D)).to(device, dtype).requires_grad_(True)
+    dy = torch.randn(*lead, H, keep + D).to(device, dtype)
+    name = f"rotate_heads {dtype} interleaved={interleaved} packed={packed}"
+    kernel = device.type in rope_mod._KERNEL_DEVICE_TYPES and dtype in rope_mod._KERNEL_DTYPES
+
+    y_ref = rot.rotate(src.view(*lead, H, keep + D), cos, sin, keep=keep)
+    (g_ref,) = torch.autograd.grad(y_ref, src, dy)
+    for grad_in_place in (False, True):
+        x = src * 1  # a fresh tensor with a grad_fn, as a linear layer's output
+        kept_before = x.detach().view(*lead, H, keep + D)[..., :keep].clone()
+        assert rope_mod.RotaryEmbedding._rotates_in_place(x, cos, sin, H, keep) == kernel, name
+        y = rot.rotate_heads(x, cos, sin, H, keep=keep, grad_in_place=grad_in_place)
+        dy_given = dy.clone()
+        (g,) = torch.autograd.grad(y, src, dy_given)
+        what = f"{name} grad_in_place={grad_in_place}"
+        assert y.shape == y_ref.shape, what
+        assert_bitwise(y, y_ref, f"{what}: forward")
+        assert_bitwise(g, g_ref, f"{what}: gradient")
+        if kernel:
+            assert y.data_ptr() == x.data_ptr(), f"{what}: not rotated in place"
+            assert_bitwise(x.detach().view(*lead, H, keep + D)[..., :keep], kept_before, f"{what}: kept columns")
+        if not (kernel and grad_in_place):  # the given gradient is read, never written
+            assert_bitwise(dy_given, dy, f"{what}: upstream gradient overwritten")
+        else:  # ... unless the caller said the gradient is its own: rotated where it is
+            assert_bitwise(dy_given.view(*lead, -1), g, f"{what}: gradient not rotated in place")
+    with torch.no_grad():  # no autograd: in place all the same
+        x = src.detach().clone()
+        y = rot.rotate_heads(x, cos, sin, H, keep=keep)
+        assert_bitwise(y, y_ref, f"{name}: no grad")
+        assert (y.data_ptr() == x.data_ptr()) == kernel, f"{name}: no grad, in place {not kernel}"
+    # never in place: a leaf that requires grad, a view of another tensor
+    for x, what in ((src, "leaf"), ((src * 1)[..., :], "view")):
+        before = x.detach().clone()
+        assert not rope_mod.RotaryEmbedding._rotates_in_place(x, cos, sin, H, keep), f"{name}: {what}"
+        assert_bitwise(rot.rotate_heads(x, cos, sin, H, keep=keep), y_ref, f"{name}: {what}")
+        assert_bitwise(x.detach(), before, f"{name}: {what} left alone")
+
+
 #: A small layer (hidden 64, 4 heads): (Dqk, Dv) = (24, 16) runs attention on the reference path.
 SMALL_LAYER = dict(hidden_size=64, num_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                    qk_rope_head_dim=8, v_head_dim=16)
@@ -236,6 +288,11 @@ def interpreter_main() -> int:
             check_kernel_float32_out(layout, interleaved, B=1, S=3, H=16, D=64)
             n += 2
     print(f"bfloat16 in, float32 out == torch ops before rounding: {n} cases")
+    for interleaved in (True, False):
+        for packed in (False, True):
+            for dtype in (torch.float32, torch.float16):
+                check_rotate_heads(cpu, dtype, interleaved=interleaved, packed=packed)
+    print("rotate_heads in place == rotate: 8 cases (float32, float16)")
     for interleave in (True, False):
         for packed in (False, True):
             check_layer_paths_agree(cpu, torch.float32, interleave=interleave, packed=packed, deterministic=True)

@@ -137,6 +137,28 @@ def test_which_calls_the_kernel_takes(monkeypatch):
     assert cr.grad is not None
 
 
+def test_which_calls_rotate_heads_rotates_in_place(monkeypatch):
+    """rotate_heads rotates in place only what the kernel takes, and only a fresh result of an op: never a leaf
+    that requires grad, an autograd view, a tensor the heads do not divide, or with tables that need a gradient;
+    the rest take `rotate` (a new tensor, the same values: tests/nn/rope_cases.check_rotate_heads)."""
+    monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ("cpu",))
+    takes = rope_mod.RotaryEmbedding._rotates_in_place
+    leaf = torch.randn(2, 5, 3 * 24, requires_grad=True)
+    c = torch.randn(5, 1, 4)
+    x = leaf * 1
+    assert takes(x, c, c, 3, 16) and takes(x.detach().clone(), c, c, 3, 16)
+    assert takes(torch.randn(10, 3 * 24).bfloat16(), torch.randn(10, 1, 4), torch.randn(10, 1, 4), 3, 16)  # packed
+    assert not takes(leaf, c, c, 3, 16)                        # a leaf that requires grad
+    assert not takes(x[..., :], c, c, 3, 16)                   # an autograd view
+    assert not takes(torch.empty_strided((2, 5, 72), (720, 144, 2)), c, c, 3, 16)  # last stride 2
+    assert not takes(x, c, c, 5, 16)                           # 72 columns are not 5 heads
+    assert not takes(x, c, c, 3, 17)                           # odd rotary width
+    assert not takes(x.double(), c, c, 3, 16)                  # float64: torch path
+    assert not takes(x, c.clone().requires_grad_(True), c, 3, 16)
+    monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ())
+    assert not takes(x, c, c, 3, 16)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (ships with torch)")
 def test_triton_kernel_under_the_interpreter():
     """The Triton kernel itself, run on CPU tensors by Triton's interpreter in a fresh process (the interpreter

@@ -1,14 +1,14 @@
 """The rotary embedding's Triton kernel on the GPU: bit-identical to the torch ops it replaces (forward and
 gradient; bfloat16/float16/float32, interleaved or rotate_half pairs, strided views of the projections, odd
-sequence lengths, position offsets, 1/16/128 heads), in the layer (outputs and every gradient), and under
-torch.compile(fullgraph=True)."""
+sequence lengths, position offsets, 1/16/128 heads), rotating the query's heads in place, in the layer (outputs and
+every gradient), and under torch.compile(fullgraph=True)."""
 import pytest
 import torch
 
 from mla_autograd.nn import RotaryEmbedding, apply_rotary
 from mla_autograd.testing import assert_bitwise
 
-from rope_cases import LAYOUTS, YARN, check_case, check_layer_compiles, check_layer_paths_agree
+from rope_cases import LAYOUTS, YARN, check_case, check_layer_compiles, check_layer_paths_agree, check_rotate_heads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,6 +41,17 @@ def test_kernel_other_rope_dims(D, interleaved):
     """D/2 not a power of two (masked pairs), a single pair, and a wider rope part; one position."""
     for S in (1, 33):
         check_case("q", interleaved, torch.bfloat16, CUDA, B=1, S=S, H=3, D=D, offset=7)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotate_heads_in_place_equals_rotate(interleaved, packed, dtype):
+    """The query's rotation in place (the layer's: 128 nope columns kept of 192, 16 and 128 heads, S = 301):
+    the bits of `rotate` forward and backward, the kept columns untouched, a user's gradient never written."""
+    for H in (16, 128):
+        check_rotate_heads(CUDA, dtype, interleaved=interleaved, packed=packed, B=2, S=301, H=H, keep=128, D=64,
+                           offset=4000)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
