@@ -66,7 +66,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
                    sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3, so0, so1, so2, so3,
                    HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                    X_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, NEGATE_SIN: tl.constexpr,
-                   KEEP: tl.constexpr, BLOCK_K: tl.constexpr):
+                   KEEP: tl.constexpr, BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
     # Program pid handles BLOCK_R consecutive indices of dim 2 at one (dim 0, dim 1) index. int64 offsets:
     # a (B, S, H, D) view of a wider projection spans more than 2**31 elements at large B * S.
     pid = tl.program_id(0).to(tl.int64)
@@ -89,6 +89,10 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n1, n2, row_blocks,
     s = tl.load(sin_ptr + i0 * ss0 + i1 * ss1 + i2[:, None] * ss2 + p[None, :] * ss3, mask=mask)
     if NEGATE_SIN:
         s = -s
+    if IN_PLACE:
+        # out is x: the thread that stores an element need not be the one that loaded it (the pair layouts
+        # differ), so every thread's loads are ordered before any store by a barrier of the whole program
+        tl.debug_barrier()
     # the torch path's formula, term for term: x1 * c - x2 * s, x2 * c + x1 * s
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
@@ -106,7 +110,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
             (x[..., keep + p], x[..., keep + p + D/2]).
         cos, sin: (A, B, C, D/2) float32, any strides (stride 0 along broadcast dims, e.g. the heads or the
             batch, costs no copy): pair p of row (a, b, c) turns by the angle whose cos/sin these hold.
-        out: (A, B, C, keep + D), any float dtype and strides, not overlapping x; pair p goes to
+        out: (A, B, C, keep + D), any float dtype and strides, either x itself (the same view: the rotation in
+            place, keep = 0) or not overlapping x; pair p goes to
             (out[..., keep + 2p], out[..., keep + 2p + 1]) when out_interleaved, else (out[..., keep + p],
             out[..., keep + p + D/2]).
         negate_sin: rotate by the opposite angles (the transposed rotation, i.e. the backward).
@@ -116,6 +121,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
     """
     A, B, C, D = x.shape
+    in_place = out.data_ptr() == x.data_ptr()
+    if in_place and (keep or out.stride() != x.stride() or out.dtype != x.dtype):
+        raise ValueError("rotate: an out that aliases x must be x itself (same strides and dtype) with keep = 0")
     half = (D - keep) // 2
     if out.numel() == 0:
         return out
@@ -131,5 +139,5 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
             x, cos, sin, out, B, C, row_blocks, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
             HALF=half, BLOCK_R=block_r, BLOCK_P=block_p, X_INTERLEAVED=x_interleaved,
             OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, KEEP=keep,
-            BLOCK_K=triton.next_power_of_2(keep) if keep else 1, **LAUNCH_OPTIONS)
+            BLOCK_K=triton.next_power_of_2(keep) if keep else 1, IN_PLACE=in_place, **LAUNCH_OPTIONS)
     return out

@@ -170,7 +170,8 @@ def test_triton_kernel_under_the_interpreter():
 ROWS_PER_PROGRAM = 32  # what `rotate` picks for the layer's query: 8192 elements // (128 kept + 64), a power of 2
 
 
-def _compile_for_sm90(x_interleaved: bool, out_interleaved: bool, negate_sin: bool):
+def _compile_for_sm90(x_interleaved: bool, out_interleaved: bool, negate_sin: bool, in_place: bool = False,
+                      keep: int = 128):
     """The kernel compiled ahead of time for an H100/H200 (sm_90; no GPU needed) as `rotate` launches it on the
     layer's bfloat16 query (128 nope columns kept, D = 64 roped, unit last strides, 16-byte aligned rows):
     Triton's compiled kernel, with .asm["ptx"] and .asm["cubin"]."""
@@ -181,8 +182,8 @@ def _compile_for_sm90(x_interleaved: bool, out_interleaved: bool, negate_sin: bo
     from mla_autograd.nn import _rope_triton as K
     fn = K._rotary_kernel
     consts = dict(HALF=32, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_P=32, X_INTERLEAVED=x_interleaved,
-                  OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, KEEP=128, BLOCK_K=128, sx3=1, sc3=1, ss3=1,
-                  so3=1)
+                  OUT_INTERLEAVED=out_interleaved, NEGATE_SIN=negate_sin, KEEP=keep,
+                  BLOCK_K=keep or 1, IN_PLACE=in_place, sx3=1, sc3=1, ss3=1, so3=1)
     ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in fn.arg_names}
     # pointers and the row strides of x and out 16-byte aligned, as Triton specializes them at a launch
@@ -191,6 +192,26 @@ def _compile_for_sm90(x_interleaved: bool, out_interleaved: bool, negate_sin: bo
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(K.LAUNCH_OPTIONS))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (ships with torch)")
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_kernel_in_place_orders_every_load_before_any_store(direction):
+    """The in-place launch (out is x, rotate_heads' query): the thread that stores an element is not always the
+    one that loaded it, so the kernel puts a barrier of the whole program between its loads and its stores, one
+    more than the out-of-place kernel has (Triton's own layout conversions bring barriers of their own)."""
+    flags = (True, False, False) if direction == "forward" else (False, True, True)
+    def barrier_between_loads_and_stores(ptx: str) -> bool:
+        body = ptx[ptx.index(".entry"):]
+        first_store = body.index("st.global")
+        last_load = body.rfind("ld.global", 0, first_store)
+        assert body.find("ld.global", first_store) < 0, "a global load after a global store"
+        return "bar.sync" in body[last_load:first_store]
+
+    in_place = _compile_for_sm90(*flags, in_place=True, keep=0).asm["ptx"]
+    assert barrier_between_loads_and_stores(in_place)
+    # the in-place kernel's own barrier, beside those of Triton's layout conversions (which the out-of-place one has)
+    assert in_place.count("bar.sync") == _compile_for_sm90(*flags, keep=0).asm["ptx"].count("bar.sync") + 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (ships with torch)")
