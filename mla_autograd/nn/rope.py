@@ -271,8 +271,8 @@ def _rope_columns(x: torch.Tensor, heads: int, keep: int) -> torch.Tensor:
 def _rotate_heads_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int,
                            x_interleaved: bool, out_interleaved: bool, negate_sin: bool) -> None:
     """Rotate the rotary columns of every head of x (..., heads * (keep + D)) in place: one launch of the kernel
-    with x's rotary columns as both its input and its output (each program loads its rows whole before it
-    stores them, so the two may alias), the `keep` columns untouched. cos/sin (..., 1, D/2) float32."""
+    with x's rotary columns as both its input and its output (the kernel then orders all of a program's loads
+    before its stores), the `keep` columns untouched. cos/sin (..., 1, D/2) float32."""
     from . import _rope_triton
     x4 = _rope_columns(x, heads, keep)
     cos4 = cos.expand(*x4.shape[:-1], cos.shape[-1])
@@ -311,6 +311,7 @@ class _RotaryHeadsInPlace(torch.autograd.Function):
 
 
 def _rope_columns_unviewable(x: torch.Tensor, heads: int) -> bool:
+    """x (..., heads * W) does not view as (..., heads, W) without a copy (its last dim is split across strides)."""
     try:
         x.view(*x.shape[:-1], heads, x.shape[-1] // heads)
     except RuntimeError:
@@ -370,6 +371,9 @@ class RotaryEmbedding(nn.Module):
         that gradient to be a fresh tensor nothing else reads (the layer's query, whose gradient is the
         attention backward's dq); a gradient passed in by a user (``y.backward(dy)``) would be overwritten.
         Elsewhere the result is `rotate`'s new tensor."""
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or x.dim() < 1 or x.shape[-1] % heads:
+            raise ValueError(f"rotate_heads: heads must be a positive int that divides x's last dim, got heads="
+                             f"{heads!r} for x of shape {tuple(x.shape)}")
         shape = (*x.shape[:-1], heads, x.shape[-1] // heads)
         if self._rotates_in_place(x, cos, sin, heads, keep):
             if torch.is_grad_enabled() and x.requires_grad:

@@ -157,6 +157,10 @@ def test_which_calls_rotate_heads_rotates_in_place(monkeypatch):
     assert not takes(x, c.clone().requires_grad_(True), c, 3, 16)
     monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ())
     assert not takes(x, c, c, 3, 16)
+    rot = rope_mod.RotaryEmbedding(8)
+    for heads in (5, 0, True, 3.0):
+        with pytest.raises(ValueError, match="rotate_heads: heads"):
+            rot.rotate_heads(x, c, c, heads, keep=16)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (ships with torch)")
