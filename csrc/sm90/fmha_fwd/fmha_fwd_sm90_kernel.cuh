@@ -51,7 +51,7 @@ using namespace cute;
 // Schedule: the producer loads K(n), V(n) per block; each consumer warpgroup issues QK(n) and PV(n+1)
 // back to back and rescales O right after PV(n+1) completes. FA3's alternatives (K(n) ahead of V(n+1)
 // with the rescale deferred past the next QK issue; pingpong between the consumer warpgroups) measured
-// within noise of it on the H200 (docs/kernels/fmha_fwd_sm90.md).
+// no faster than it (docs/kernels/fmha_fwd_sm90.md).
 template <class Element_, int kDqk_, int kDv_, int kBlockN_ = FmhaFwdSm90Config<kDqk_, kDv_>::kBlockN>
 struct FwdTraits {
   using Element = Element_;
