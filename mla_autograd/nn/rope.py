@@ -261,10 +261,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     return _rotate_torch(x, cos, sin, interleaved, False, False, keep)
 
 
+def _heads_view(x: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """x (..., heads * W) as (..., heads, W), or None where that needs a copy (its last dim split across
+    strides). Metadata only."""
+    try:
+        return x.view(*x.shape[:-1], heads, x.shape[-1] // heads)
+    except RuntimeError:
+        return None
+
+
 def _rope_columns(x: torch.Tensor, heads: int, keep: int) -> torch.Tensor:
     """The rotary columns of x (..., heads * (keep + D)) as a 4-d view (A, B, C, D) for the kernel: per head the
     D columns after its first `keep`, leading size-1 dims where x has fewer. Metadata only."""
-    xv = x.view(*x.shape[:-1], heads, x.shape[-1] // heads)[..., keep:]
+    xv = _heads_view(x, heads)[..., keep:]
     return xv[(None,) * (4 - xv.dim())] if xv.dim() < 4 else xv
 
 
@@ -304,19 +313,10 @@ class _RotaryHeadsInPlace(torch.autograd.Function):
         if torch.is_grad_enabled() or not grad_in_place:  # a new tensor (differentiable under create_graph=True)
             shape4 = (*dx.shape[:-1], heads, dx.shape[-1] // heads)
             return _rotary(dx.reshape(shape4), cos, sin, interleaved, True, keep).view(dx.shape), *none
-        if dx.stride(-1) != 1 or _rope_columns_unviewable(dx, heads):
+        if dx.stride(-1) != 1 or _heads_view(dx, heads) is None:
             dx = dx.contiguous()
         _rotate_heads_in_place(dx, cos, sin, heads, keep, False, interleaved, True)
         return dx, *none
-
-
-def _rope_columns_unviewable(x: torch.Tensor, heads: int) -> bool:
-    """x (..., heads * W) does not view as (..., heads, W) without a copy (its last dim is split across strides)."""
-    try:
-        x.view(*x.shape[:-1], heads, x.shape[-1] // heads)
-    except RuntimeError:
-        return True
-    return False
 
 
 class RotaryEmbedding(nn.Module):
@@ -392,9 +392,8 @@ class RotaryEmbedding(nn.Module):
             return False
         if x._is_view() or (x.requires_grad and x.grad_fn is None) or cos.requires_grad or sin.requires_grad:
             return False
-        if _rope_columns_unviewable(x, heads):
-            return False
-        return _kernel_takes(x.view(*x.shape[:-1], heads, x.shape[-1] // heads), cos, sin, keep)
+        xv = _heads_view(x, heads)
+        return xv is not None and _kernel_takes(xv, cos, sin, keep)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, interleaved={self.interleaved}, attention_factor={self.attention_factor:g}"
