@@ -72,6 +72,15 @@ def _rand(shape, dtype, g):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).to(dtype)
 
 
+def _varlen(lq, lk, hq, hkv, d, dv, dtype, g):
+    """A packed varlen batch of sequences with lq[i] queries and lk[i] keys: q (sum(lq), hq, d), k (sum(lk), hkv, d)
+    and v (sum(lk), hkv, dv) drawn from g, and _check's varlen arguments {cu_q, cu_k, msq, msk}."""
+    q = _rand((sum(lq), hq, d), dtype, g)
+    k = _rand((sum(lk), hkv, d), dtype, g)
+    v = _rand((sum(lk), hkv, dv), dtype, g)
+    return q, k, v, dict(cu_q=cu_seqlens(lq), cu_k=cu_seqlens(lk), msq=max(lq), msk=max(lk))
+
+
 def _check(ext, q, k, v, *, scale, causal, bottom_right, cu_q=None, cu_k=None, msq=None, msk=None, name="",
            options=None):
     """Run the kernel (ext.fwd, or ext.fwd_with_options when `options` is a dict) on NaN-poisoned out/lse and
@@ -168,13 +177,9 @@ def test_varlen(ext, dims, dtype, mask, case, heads):
     hq, hkv = heads
     lq, lk = VARLEN_CASES[case]
     g = torch.Generator(device=DEV).manual_seed(100 + case)
-    cu_q = cu_seqlens(lq)
-    cu_k = cu_seqlens(lk)
-    q = _rand((sum(lq), hq, d), dtype, g)
-    k = _rand((sum(lk), hkv, d), dtype, g)
-    v = _rand((sum(lk), hkv, dv), dtype, g)
-    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], cu_q=cu_q, cu_k=cu_k,
-           msq=max(lq), msk=max(lk), name=f"varlen {dims} {dtype} {mask} {lq} {lk}")
+    q, k, v, kw = _varlen(lq, lk, hq, hkv, d, dv, dtype, g)
+    _check(ext, q, k, v, scale=1.0 / math.sqrt(d), causal=mask[0], bottom_right=mask[1], **kw,
+           name=f"varlen {dims} {dtype} {mask} {lq} {lk}")
 
 
 _REJECT_SCRIPT = r"""
@@ -242,14 +247,9 @@ def test_l2_group_launch_order(ext, group):
                name=f"l2 {group} dense {d} {causal} {br}")
         # varlen: 4 sequences (one empty) x 2 heads (varlen tiles are a list of the sequences' own M-blocks,
         # which the grouping does not reorder: the same results under every group size)
-        lq, lk = [129, 0, 300, 17], [200, 5, 300, 640]
-        cu_q = cu_seqlens(lq)
-        cu_k = cu_seqlens(lk)
-        q = _rand((sum(lq), 2, d), torch.bfloat16, g)
-        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
-        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
-        _check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k,
-               msq=max(lq), msk=max(lk), options=options, name=f"l2 {group} varlen {d} {causal} {br}")
+        q, k, v, kw = _varlen([129, 0, 300, 17], [200, 5, 300, 640], 2, 2, d, dv, torch.bfloat16, g)
+        _check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br, **kw, options=options,
+               name=f"l2 {group} varlen {d} {causal} {br}")
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
@@ -270,13 +270,8 @@ def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
         got = _check(ext, q, k, v, scale=scale, causal=causal, bottom_right=br,
                      options={"ctas": ctas, "dynamic": dynamic}, name=f"ctas {ctas} dense {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} dense {d} {causal} {br}"
-        lq, lk = [129, 0, 300, 17, 1], [200, 5, 300, 640, 1]
-        cu_q = cu_seqlens(lq)
-        cu_k = cu_seqlens(lk)
-        q = _rand((sum(lq), 2, d), torch.bfloat16, g)
-        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
-        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
-        kw = dict(scale=scale, causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk))
+        q, k, v, kw = _varlen([129, 0, 300, 17, 1], [200, 5, 300, 640, 1], 2, 2, d, dv, torch.bfloat16, g)
+        kw.update(scale=scale, causal=causal, bottom_right=br)
         want = _check(ext, q, k, v, **kw, options={"ctas": 0})
         got = _check(ext, q, k, v, **kw, options={"ctas": ctas, "dynamic": dynamic},
                      name=f"ctas {ctas} varlen {d} {causal} {br}")
@@ -296,15 +291,10 @@ def test_varlen_tile_list_over_many_sequences(ext, grid):
     lq = [rng.choice([0, 0, 1, 63, 64, 65, 127, 128, 129, rng.randint(1, 400)]) for _ in range(74)] + [517]
     lk = [x if rng.random() < 0.7 else rng.randint(0, 300) for x in lq]
     lq[5], lk[5] = 70, 0  # queries with no key: O = 0, LSE = -inf, no load
-    cu_q = cu_seqlens(lq)
-    cu_k = cu_seqlens(lk)
     g = torch.Generator(device=DEV).manual_seed(12)
     for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
-        q = _rand((sum(lq), 3, d), torch.bfloat16, g)
-        k = _rand((sum(lk), 1, d), torch.bfloat16, g)
-        v = _rand((sum(lk), 1, dv), torch.bfloat16, g)
-        kw = dict(scale=1 / math.sqrt(d), causal=causal, bottom_right=br, cu_q=cu_q, cu_k=cu_k, msq=max(lq),
-                  msk=max(lk))
+        q, k, v, kw = _varlen(lq, lk, 3, 1, d, dv, torch.bfloat16, g)
+        kw.update(scale=1 / math.sqrt(d), causal=causal, bottom_right=br)
         want = _check(ext, q, k, v, **kw)
         got = _check(ext, q, k, v, **kw, options=grid, name=f"tile list {grid} {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"tile list {grid} {d} {causal} {br}"
@@ -319,13 +309,7 @@ def test_narrow_key_block_without_mask(ext, dims, varlen):
     d, dv = dims
     g = torch.Generator(device=DEV).manual_seed(13)
     if varlen:
-        lq, lk = [333, 0, 129, 17], [533, 7, 176, 300]
-        cu_q = cu_seqlens(lq)
-        cu_k = cu_seqlens(lk)
-        q = _rand((sum(lq), 4, d), torch.bfloat16, g)
-        k = _rand((sum(lk), 2, d), torch.bfloat16, g)
-        v = _rand((sum(lk), 2, dv), torch.bfloat16, g)
-        kw = dict(cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk))
+        q, k, v, kw = _varlen([333, 0, 129, 17], [533, 7, 176, 300], 4, 2, d, dv, torch.bfloat16, g)
     else:
         q = _rand((2, 333, 4, d), torch.bfloat16, g)
         k = _rand((2, 176 * 3 + 5, 2, d), torch.bfloat16, g)
