@@ -32,6 +32,8 @@ if ! python3 -c "import cutlass_library" 2>/dev/null; then
 fi
 CALLER_PATH="${PYTHONPATH:+:$PYTHONPATH}"  # where the caller found nvidia-cutlass (the check above), kept
 export PYTHONPATH="$SITE:$PWD$CALLER_PATH" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
+# FA4 compiles its kernels in every process (tens of seconds per round); its on-disk cache makes the first round pay alone
+[ -z "${FA4:-}" ] || export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$WORKD/fa4_cache"
 FAMILY="${FAMILY:-fmha_bwd_sm90}"
 TOOLS="$PWD/tools"
 if [ -z "${SAME_BUILD:-}" ]; then
