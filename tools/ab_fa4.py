@@ -28,9 +28,9 @@ import torch
 #: (Dqk, Dv, B, H, S) of the forward rows: bench_attention's dense sweep (16k tokens) and the layer's shape
 FWD_ROWS = [(d, dv, B, H, S) for d, dv in ((192, 128), (128, 128))
             for B, H, S in ((16, 16, 1024), (8, 16, 2048), (2, 16, 8192), (1, 128, 4096)) if not (d == 128 and H == 128)]
-#: the backward rows: 128/128 long, 192/128 short, long and at the layer's shape
-BWD_ROWS = [(128, 128, 2, 16, 8192), (192, 128, 16, 16, 1024), (192, 128, 1, 128, 4096), (192, 128, 2, 16, 8192),
-            (192, 128, 8, 16, 2048)]
+#: the backward rows: 128/128 long and short, 192/128 short, long and at the layer's shape
+BWD_ROWS = [(128, 128, 2, 16, 8192), (128, 128, 16, 16, 1024), (192, 128, 16, 16, 1024), (192, 128, 1, 128, 4096),
+            (192, 128, 2, 16, 8192), (192, 128, 8, 16, 2048)]
 
 
 def _inputs(d, dv, B, H, S, grad=False):
