@@ -39,3 +39,17 @@ def test_compare_matches_rows_and_reports_change_ratio_and_sums(tmp_path, capsys
     assert s1024.endswith("same sums")
     s2048 = next(line for line in lines if "S=2048" in line)
     assert "causal=1" in s2048 and "B/A +0.100" in s2048 and s2048.endswith("sums differ")
+
+
+def test_compare_puts_every_variant_beside_the_baseline(tmp_path, capsys):
+    runs = {"A1": [_row("A1", 400, 500, [1.0])], "B1": [_row("B1", 440, 500, [1.0])],
+            "C1": [_row("C1", 380, 400, [1.0])]}
+    paths = []
+    for name, rows in runs.items():
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(rows))
+        paths.append(str(p))
+    _tool().main(["--compare", *paths])
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "A 400  B 440  C 380  B/A +0.100  C/A -0.050" in line
+    assert "vs FA4 A 0.800 B 0.880 C 0.950" in line and line.endswith("same sums")

@@ -5,13 +5,14 @@ of every output so that two builds can be checked for the same bits. tools/ab_ke
 alternating processes (FA4=1); --compare prints the rows of several runs side by side.
 
     PYTHONPATH=. python tools/ab_fa4.py LABEL OUT.json [--fwd] [--bwd]      # neither flag: both
-    python tools/ab_fa4.py --compare A1.json B1.json A2.json B2.json
+    python tools/ab_fa4.py --compare A1.json B1.json A2.json B2.json      # or C1.json ...: each beside A
 
 mla_autograd is imported from the Python path, not from this file's tree, so that a baseline tree on
 PYTHONPATH runs the same script (ab_kernel.sh does this).
 Needs FlashAttention-4 importable as ``flash_attn.cute`` and the fmha_fwd_sm90 / fmha_bwd_sm90 families of the
-tree on the Python path. TF/s as in bench/: forward 2*B*H*S*S*(Dqk+Dv), halved
-under a causal mask; backward 2.5x that. Each row takes the better of two timings of each side
+tree on the Python path. The forward rows end with bench_attention's packed "longtail" batch (31 documents, 32k
+tokens, H=16; B is then the number of documents, S the packed total). TF/s as in bench/: forward 2*B*H*S*S*(Dqk+Dv)
+(per document for the packed batch), halved under a causal mask; backward 2.5x that. Each row takes the better of two timings of each side
 (triton.testing.do_bench medians), alternated within the process. The backward's checksums can differ in the
 last digits between runs of one build: its dQ partial sums are added in arrival order (deterministic=False).
 """
@@ -68,6 +69,46 @@ def run_fwd(label: str) -> list[dict]:
                              ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9,
                              sums=[float(out.float().sum()), float(lse.sum())]))
             _print(rows[-1])
+    return rows + run_fwd_varlen(label, ext)
+
+
+#: (Dqk, Dv) of the packed forward rows
+VARLEN_DIMS = ((192, 128), (128, 128))
+
+
+def run_fwd_varlen(label: str, ext) -> list[dict]:
+    """The kernel entry on bench_attention's longtail batch (this file's tree's bench/), beside FA4's varlen call."""
+    import importlib.util
+    from itertools import accumulate
+
+    from flash_attn.cute import flash_attn_varlen_func
+    spec = importlib.util.spec_from_file_location("bench_attention", Path(__file__).resolve().parents[1] / "bench" /
+                                                  "bench_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lens = bench.varlen_lengths("longtail")
+    cu = torch.tensor([0, *accumulate(lens)], device="cuda", dtype=torch.int32)
+    total, longest, H = int(cu[-1]), max(lens), 16
+    rows = []
+    for d, dv in VARLEN_DIMS:
+        for causal in (False, True):
+            q, k, v, _ = _inputs(d, dv, 1, H, total)
+            q, k, v = q[0], k[0], v[0]
+            out = torch.empty(total, H, dv, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(H, total, device="cuda")
+            scale = 1.0 / math.sqrt(d)
+            ours = lambda: ext.fwd(q, k, v, out, lse, cu, cu, longest, longest, scale, causal, True)  # noqa: E731
+            peer = lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,  # noqa: E731
+                                                  max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scale,
+                                                  causal=causal)
+            ours(), peer()
+            torch.cuda.synchronize()
+            to, tp = _time_pair(ours, peer)
+            flops = sum(2 * H * n * n * (d + dv) for n in lens) * (0.5 if causal else 1.0)
+            rows.append(dict(label=label, pass_="fwd_varlen", d=d, dv=dv, B=len(lens), H=H, S=total, causal=causal,
+                             ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9,
+                             sums=[float(out.float().sum()), float(lse.sum())]))
+            _print(rows[-1])
     return rows
 
 
@@ -109,21 +150,23 @@ def _print(r: dict) -> None:
 
 
 def compare(paths: list[str]) -> None:
-    """Per row: ours' TF/s in each run by label (A, B: the label's first letter), the mean change from A to B,
-    the mean ratio to FA4 of each, and whether every run gave the same output checksums."""
+    """Per row: ours' TF/s in each run by variant (the label's first letter: A the baseline, B, C, ...), the mean
+    change of each variant from A, the mean ratio to FA4 of each, and whether every run gave the same checksums."""
     by_row: dict[tuple, dict[str, list[dict]]] = {}
     for p in paths:
         for r in json.loads(Path(p).read_text()):
             by_row.setdefault(_key(r), {}).setdefault(r["label"][0], []).append(r)
+    mean = lambda rs, f: statistics.mean(f(r) for r in rs)  # noqa: E731
     for key, sides in by_row.items():
-        a, b = sides.get("A", []), sides.get("B", [])
-        cells = [f"{side} " + ",".join(f"{r['ours_tfs']:.0f}" for r in rs) for side, rs in (("A", a), ("B", b)) if rs]
+        variants = sorted(sides)
+        cells = [f"{v} " + ",".join(f"{r['ours_tfs']:.0f}" for r in sides[v]) for v in variants]
         line = f"{key[0]} {key[1]}/{key[2]} B={key[3]} H={key[4]} S={key[5]} causal={int(key[6])}: " + "  ".join(cells)
-        if a and b:
-            mean = lambda rs, f: statistics.mean(f(r) for r in rs)  # noqa: E731
-            line += (f"  B/A {mean(b, lambda r: r['ours_tfs']) / mean(a, lambda r: r['ours_tfs']) - 1:+.3f}"
-                     f"  vs FA4 A {mean(a, lambda r: r['ours_tfs'] / r['fa4_tfs']):.3f}"
-                     f" B {mean(b, lambda r: r['ours_tfs'] / r['fa4_tfs']):.3f}")
+        if "A" in sides:
+            base = mean(sides["A"], lambda r: r["ours_tfs"])
+            line += "".join(f"  {v}/A {mean(sides[v], lambda r: r['ours_tfs']) / base - 1:+.3f}"
+                            for v in variants if v != "A")
+        line += "  vs FA4 " + " ".join(f"{v} {mean(sides[v], lambda r: r['ours_tfs'] / r['fa4_tfs']):.3f}"
+                                       for v in variants)
         same = len({tuple(r["sums"]) for rs in sides.values() for r in rs}) == 1
         print(line + ("  same sums" if same else "  sums differ"))
 
