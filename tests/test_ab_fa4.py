@@ -19,17 +19,22 @@ def _row(label, ours, fa4, sums, S=1024, causal=False):
                 sums=sums)
 
 
-def test_compare_matches_rows_and_reports_change_ratio_and_sums(tmp_path, capsys):
-    runs = {"A1": [_row("A1", 500, 550, [1.0, 2.0]), _row("A1", 300, 310, [3.0], S=2048, causal=True)],
-            "B1": [_row("B1", 520, 550, [1.0, 2.0]), _row("B1", 330, 300, [3.5], S=2048, causal=True)],
-            "A2": [_row("A2", 500, 450, [1.0, 2.0])],
-            "B2": [_row("B2", 530, 450, [1.0, 2.0])]}
+def _write_runs(tmp_path, runs):
+    """Each run's rows as RUN.json in tmp_path; their paths, in the runs' order."""
     paths = []
     for name, rows in runs.items():
         p = tmp_path / f"{name}.json"
         p.write_text(json.dumps(rows))
         paths.append(str(p))
-    _tool().main(["--compare", *paths])
+    return paths
+
+
+def test_compare_matches_rows_and_reports_change_ratio_and_sums(tmp_path, capsys):
+    runs = {"A1": [_row("A1", 500, 550, [1.0, 2.0]), _row("A1", 300, 310, [3.0], S=2048, causal=True)],
+            "B1": [_row("B1", 520, 550, [1.0, 2.0]), _row("B1", 330, 300, [3.5], S=2048, causal=True)],
+            "A2": [_row("A2", 500, 450, [1.0, 2.0])],
+            "B2": [_row("B2", 530, 450, [1.0, 2.0])]}
+    _tool().main(["--compare", *_write_runs(tmp_path, runs)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2
     s1024 = next(line for line in lines if "S=1024" in line)
@@ -44,12 +49,7 @@ def test_compare_matches_rows_and_reports_change_ratio_and_sums(tmp_path, capsys
 def test_compare_puts_every_variant_beside_the_baseline(tmp_path, capsys):
     runs = {"A1": [_row("A1", 400, 500, [1.0])], "B1": [_row("B1", 440, 500, [1.0])],
             "C1": [_row("C1", 380, 400, [1.0])]}
-    paths = []
-    for name, rows in runs.items():
-        p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps(rows))
-        paths.append(str(p))
-    _tool().main(["--compare", *paths])
+    _tool().main(["--compare", *_write_runs(tmp_path, runs)])
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert "A 400  B 440  C 380  B/A +0.100  C/A -0.050" in line
     assert "vs FA4 A 0.800 B 0.880 C 0.950" in line and line.endswith("same sums")
