@@ -11,10 +11,11 @@ mla_autograd is imported from the Python path, not from this file's tree, so tha
 PYTHONPATH runs the same script (ab_kernel.sh does this).
 Needs FlashAttention-4 importable as ``flash_attn.cute`` and the fmha_fwd_sm90 / fmha_bwd_sm90 families of the
 tree on the Python path. The forward rows end with bench_attention's packed "longtail" batch (31 documents, 32k
-tokens, H=16; B is then the number of documents, S the packed total). TF/s as in bench/: forward 2*B*H*S*S*(Dqk+Dv)
-(per document for the packed batch), halved under a causal mask; backward 2.5x that. Each row takes the better of two timings of each side
-(triton.testing.do_bench medians), alternated within the process. The backward's checksums can differ in the
-last digits between runs of one build: its dQ partial sums are added in arrival order (deterministic=False).
+tokens, H=16; B is then the number of documents, S the packed total). TF/s as in bench/: forward
+2*B*H*S*S*(Dqk+Dv) (per document for the packed batch), halved under a causal mask; backward 2.5x that. Each row
+takes the better of two timings of each side (triton.testing.do_bench medians), alternated within the process.
+The backward's checksums can differ in the last digits between runs of one build: its dQ partial sums are added in
+arrival order (deterministic=False).
 """
 from __future__ import annotations
 
@@ -79,15 +80,13 @@ VARLEN_DIMS = ((192, 128), (128, 128))
 def run_fwd_varlen(label: str, ext) -> list[dict]:
     """The kernel entry on bench_attention's longtail batch (this file's tree's bench/), beside FA4's varlen call."""
     import importlib.util
-    from itertools import accumulate
 
-    from flash_attn.cute import flash_attn_varlen_func
     spec = importlib.util.spec_from_file_location("bench_attention", Path(__file__).resolve().parents[1] / "bench" /
                                                   "bench_attention.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     lens = bench.varlen_lengths("longtail")
-    cu = torch.tensor([0, *accumulate(lens)], device="cuda", dtype=torch.int32)
+    cu = bench.cu_seqlens(lens, device="cuda")
     total, longest, H = int(cu[-1]), max(lens), 16
     rows = []
     for d, dv in VARLEN_DIMS:
@@ -98,13 +97,11 @@ def run_fwd_varlen(label: str, ext) -> list[dict]:
             lse = torch.empty(H, total, device="cuda")
             scale = 1.0 / math.sqrt(d)
             ours = lambda: ext.fwd(q, k, v, out, lse, cu, cu, longest, longest, scale, causal, True)  # noqa: E731
-            peer = lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,  # noqa: E731
-                                                  max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scale,
-                                                  causal=causal)
+            peer = lambda: bench._fa4_varlen(q, k, v, cu, longest, causal, scale)  # noqa: E731
             ours(), peer()
             torch.cuda.synchronize()
             to, tp = _time_pair(ours, peer)
-            flops = sum(2 * H * n * n * (d + dv) for n in lens) * (0.5 if causal else 1.0)
+            flops = bench.varlen_flops_fwd(lens, H, d, dv, causal)
             rows.append(dict(label=label, pass_="fwd_varlen", d=d, dv=dv, B=len(lens), H=H, S=total, causal=causal,
                              ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9,
                              sums=[float(out.float().sum()), float(lse.sum())]))
