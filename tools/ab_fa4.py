@@ -62,15 +62,21 @@ def run_fwd(label: str) -> list[dict]:
             scale = 1.0 / math.sqrt(d)
             ours = lambda: ext.fwd(q, k, v, out, lse, None, None, None, None, scale, causal, True)  # noqa: E731
             peer = lambda: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale)  # noqa: E731
-            ours(), peer()
-            torch.cuda.synchronize()
-            to, tp = _time_pair(ours, peer)
             flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
-            rows.append(dict(label=label, pass_="fwd", d=d, dv=dv, B=B, H=H, S=S, causal=causal,
-                             ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9,
-                             sums=[float(out.float().sum()), float(lse.sum())]))
-            _print(rows[-1])
+            rows.append(_fwd_row(dict(label=label, pass_="fwd", d=d, dv=dv, B=B, H=H, S=S, causal=causal),
+                                 ours, peer, flops, out, lse))
     return rows + run_fwd_varlen(label, ext)
+
+
+def _fwd_row(row: dict, ours, peer, flops: float, out: torch.Tensor, lse: torch.Tensor) -> dict:
+    """row (label, pass_ and the shape fields) completed with both sides' TF/s, timed alternately after one warm
+    call each, and the checksums of the out and lse that ours writes; printed."""
+    ours(), peer()
+    torch.cuda.synchronize()
+    to, tp = _time_pair(ours, peer)
+    row.update(ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9, sums=[float(out.float().sum()), float(lse.sum())])
+    _print(row)
+    return row
 
 
 #: (Dqk, Dv) of the packed forward rows
@@ -98,14 +104,9 @@ def run_fwd_varlen(label: str, ext) -> list[dict]:
             scale = 1.0 / math.sqrt(d)
             ours = lambda: ext.fwd(q, k, v, out, lse, cu, cu, longest, longest, scale, causal, True)  # noqa: E731
             peer = lambda: bench._fa4_varlen(q, k, v, cu, longest, causal, scale)  # noqa: E731
-            ours(), peer()
-            torch.cuda.synchronize()
-            to, tp = _time_pair(ours, peer)
             flops = bench.varlen_flops_fwd(lens, H, d, dv, causal)
-            rows.append(dict(label=label, pass_="fwd_varlen", d=d, dv=dv, B=len(lens), H=H, S=total, causal=causal,
-                             ours_tfs=flops / to / 1e9, fa4_tfs=flops / tp / 1e9,
-                             sums=[float(out.float().sum()), float(lse.sum())]))
-            _print(rows[-1])
+            rows.append(_fwd_row(dict(label=label, pass_="fwd_varlen", d=d, dv=dv, B=len(lens), H=H, S=total,
+                                      causal=causal), ours, peer, flops, out, lse))
     return rows
 
 
