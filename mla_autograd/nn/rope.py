@@ -290,6 +290,25 @@ def _rotate_heads_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                         negate_sin=negate_sin)
 
 
+# _rotate_heads_in_place as a mutating op, for traced calls: under torch.compile Inductor functionalizes it and
+# then writes it back in place where x has no other reader (the projection's output, the attention's dq), so the
+# compiled layer rotates its query where it lies, as the eager one does.
+rotary_heads_op = torch.library.custom_op("mla_autograd::rotary_heads_", mutates_args=("x",))(_rotate_heads_in_place)
+
+
+@rotary_heads_op.register_fake
+def _(x, cos, sin, heads, keep, x_interleaved, out_interleaved, negate_sin):
+    return None
+
+
+def _rotate_heads_in_place_traced(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int,
+                                  x_interleaved: bool, out_interleaved: bool, negate_sin: bool) -> None:
+    """_rotate_heads_in_place: directly for plain eager tensors, through rotary_heads_op where the call is traced
+    (torch.compile) or takes tensor subclasses."""
+    fn = _rotate_heads_in_place if eager_direct(x, cos, sin) else rotary_heads_op
+    fn(x, cos, sin, heads, keep, x_interleaved, out_interleaved, negate_sin)
+
+
 class _RotaryHeadsInPlace(torch.autograd.Function):
     """RotaryEmbedding.rotate_heads on the kernel path: the rotary columns of x rotated where they are (the
     `keep` columns are neither read nor written), x returned marked dirty. The backward rotates the rotary
@@ -299,7 +318,7 @@ class _RotaryHeadsInPlace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, heads, keep, interleaved, grad_in_place):
-        _rotate_heads_in_place(x, cos, sin, heads, keep, interleaved, False, False)
+        _rotate_heads_in_place_traced(x, cos, sin, heads, keep, interleaved, False, False)
         ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin)
         ctx.flags = (heads, keep, interleaved, grad_in_place)
@@ -315,7 +334,7 @@ class _RotaryHeadsInPlace(torch.autograd.Function):
             return _rotary(dx.reshape(shape4), cos, sin, interleaved, True, keep).view(dx.shape), *none
         if dx.stride(-1) != 1 or _heads_view(dx, heads) is None:
             dx = dx.contiguous()
-        _rotate_heads_in_place(dx, cos, sin, heads, keep, False, interleaved, True)
+        _rotate_heads_in_place_traced(dx, cos, sin, heads, keep, False, interleaved, True)
         return dx, *none
 
 
@@ -363,8 +382,9 @@ class RotaryEmbedding(nn.Module):
         `keep` columns x's, the rest rotated into the half-split layout; the same values and gradient as `rotate`
         on x.view(..., heads, keep + dim).
 
-        On the kernel path (plain CUDA tensors, x contiguous along its last dim and the fresh result of an op, not
-        an autograd view or a leaf that requires grad) x's rotary columns are rotated in place, its `keep` columns
+        On the kernel path (plain CUDA tensors, eager or traced by torch.compile, x contiguous along its last dim
+        and the fresh result of an op, not a leaf that requires grad nor, eagerly, an autograd view) x's rotary
+        columns are rotated in place, its `keep` columns
         neither read nor written (MLA's query: 128 of every 192 columns), and the result is a view of x; x must
         not be needed by the backward of the op that made it (a linear layer's output is not). With grad_in_place
         the backward rotates the gradient that reaches the result in place as well: only for a caller that knows
@@ -379,18 +399,22 @@ class RotaryEmbedding(nn.Module):
             if torch.is_grad_enabled() and x.requires_grad:
                 x = _RotaryHeadsInPlace.apply(x, cos, sin, heads, keep, self.interleaved, bool(grad_in_place))
             else:
-                _rotate_heads_in_place(x, cos, sin, heads, keep, self.interleaved, False, False)
+                _rotate_heads_in_place_traced(x, cos, sin, heads, keep, self.interleaved, False, False)
             return x.view(shape)
         return self.rotate(x.view(shape), cos, sin, keep=keep)
 
     @staticmethod
     def _rotates_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, keep: int) -> bool:
-        """rotate_heads may rotate x in place: plain eager tensors the kernel takes (`_kernel_takes` on the heads'
-        view), cos/sin not requiring grad, x unit stride along its last dim, not an autograd view, not a leaf
-        that requires grad. Metadata only."""
-        if not eager_direct(x, cos, sin) or x.dim() < 1 or x.shape[-1] % heads or x.stride(-1) != 1:
+        """rotate_heads may rotate x in place: plain tensors (eager, or traced by torch.compile) that the kernel
+        takes (`_kernel_takes` on the heads' view), cos/sin not requiring grad, x unit stride along its last dim,
+        not a leaf that requires grad and, eagerly, not an autograd view (a traced view's mutation is
+        functionalized like any other). Metadata only."""
+        tracing = torch.compiler.is_compiling()
+        if not (tracing or eager_direct(x, cos, sin)) or x.dim() < 1 or x.shape[-1] % heads or x.stride(-1) != 1:
             return False
-        if x._is_view() or (x.requires_grad and x.grad_fn is None) or cos.requires_grad or sin.requires_grad:
+        if (x.requires_grad and x.is_leaf) or cos.requires_grad or sin.requires_grad:
+            return False
+        if not tracing and x._is_view():
             return False
         xv = _heads_view(x, heads)
         return xv is not None and _kernel_takes(xv, cos, sin, keep)

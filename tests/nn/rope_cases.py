@@ -235,10 +235,24 @@ def check_layer_paths_agree(device, dtype, *, interleave: bool, packed: bool, de
         assert_bitwise(a, b, f"layer ({dtype}, interleave={interleave}, packed={packed}): {n}")
 
 
+def check_rotary_heads_op() -> None:
+    """torch.library.opcheck of the in-place op that rotate_heads traces under torch.compile (its schema declares
+    the mutation of x, its fake, its dispatch under AOTAutograd), on a projection-like x (..., H * (keep + D))."""
+    H, keep, D = 3, 16, 8
+    for x_interleaved, out_interleaved, negate_sin in ((True, False, False), (False, True, True),
+                                                      (False, False, False)):
+        x = torch.randn(2, 5, H * (keep + D))
+        cos, sin = torch.randn(5, 1, D // 2), torch.randn(5, 1, D // 2)
+        torch.library.opcheck(torch.ops.mla_autograd.rotary_heads_.default,
+                              (x, cos, sin, H, keep, x_interleaved, out_interleaved, negate_sin))
+
+
 def check_layer_compiles(device, dtype, backend, *, dims: dict = SMALL_LAYER, T: int = 13, tol: float = 0.0):
     """torch.compile(fullgraph=True) of a layer's training forward (no graph break) through `backend` (a
-    torch.compile backend name): the rotary op is in the traced graph, and the compiled output and gradients
-    are the eager ones within tol (relative to each tensor's largest magnitude, at least 1)."""
+    torch.compile backend name): the rotary op is in the traced graph for k_pe, the query is rotated in place by
+    rotary_heads_ (once in the forward body of its autograd function, once in the backward body: no out-of-place
+    rotary for it), and the compiled output and gradients are the eager ones within tol (relative to each
+    tensor's largest magnitude, at least 1)."""
     from torch._dynamo.backends.registry import lookup_backend
     torch.manual_seed(0)
     m = MultiHeadLatentAttention(**dims, rope_scaling=YARN).to(device, dtype)
@@ -247,7 +261,9 @@ def check_layer_compiles(device, dtype, backend, *, dims: dict = SMALL_LAYER, T:
     graphs = []
 
     def recording(gm, inputs):
-        graphs.append(str(gm.graph))
+        # the traced graph and its subgraphs (the bodies of autograd functions): (name, targets of its calls)
+        graphs.extend((name, [n.target for n in g.graph.nodes if n.op == "call_function"])
+                      for name, g in gm.named_modules() if isinstance(g, torch.fx.GraphModule))
         return lookup_backend(backend)(gm, inputs)
 
     torch._dynamo.reset()
@@ -258,7 +274,11 @@ def check_layer_compiles(device, dtype, backend, *, dims: dict = SMALL_LAYER, T:
         y = fn(xi)
         y.backward(dy)
         results.append([y.detach(), xi.grad] + [p.grad for p in m.parameters()])
-    assert len(graphs) == 1 and graphs[0].count("mla_autograd.rotary") == 2, graphs  # the query and k_pe
+    ops = torch.ops.mla_autograd
+    calls = {name: (targets.count(ops.rotary.default), targets.count(ops.rotary_heads_.default))
+             for name, targets in graphs}
+    # one graph: its outer part rotates k_pe out of place, the query's autograd function in place both ways
+    assert calls == {"": (1, 0), "fwd_body_0": (0, 1), "bwd_body_0": (0, 1)}, calls
     names = ["out", "d hidden_states"] + [f"d {n}" for n, _ in m.named_parameters()]
     for n, a, b in zip(names, *results):
         err = (a.double() - b.double()).abs().max().item()
@@ -297,6 +317,8 @@ def interpreter_main() -> int:
         for packed in (False, True):
             check_layer_paths_agree(cpu, torch.float32, interleave=interleave, packed=packed, deterministic=True)
     print("layer forward/backward, kernel == torch ops: 4 cases (float32)")
+    check_rotary_heads_op()
+    print("opcheck of mla_autograd::rotary_heads_ (both directions, both pair layouts)")
     check_layer_compiles(cpu, torch.float32, "aot_eager", tol=1e-6)
     print("layer under torch.compile(fullgraph=True, backend='aot_eager'): the rotary op traced, as eager")
     return 0

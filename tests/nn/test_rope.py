@@ -155,6 +155,9 @@ def test_which_calls_rotate_heads_rotates_in_place(monkeypatch):
     assert not takes(x, c, c, 3, 17)                           # odd rotary width
     assert not takes(x.double(), c, c, 3, 16)                  # float64: torch path
     assert not takes(x, c.clone().requires_grad_(True), c, 3, 16)
+    with monkeypatch.context() as traced:  # under torch.compile a view's mutation is functionalized: taken
+        traced.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert takes(x[..., :], c, c, 3, 16) and not takes(leaf, c, c, 3, 16)
     monkeypatch.setattr(rope_mod, "_KERNEL_DEVICE_TYPES", ())
     assert not takes(x, c, c, 3, 16)
     rot = rope_mod.RotaryEmbedding(8)

@@ -84,6 +84,35 @@ def test_compiled_rotation_equals_eager_bitwise(dtype):
     assert_bitwise(out[1][1], out[0][1], "gradient")
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_rotate_heads_equals_eager_bitwise(interleaved, dtype):
+    """rotate_heads on a fresh projection-like tensor under torch.compile (inductor), where it rotates the query
+    in place both ways through rotary_heads_: the result and the gradient have the eager call's bits, the kept
+    columns pass through untouched. S = 301, 128 heads of 128 + 64 columns, positions from 4000."""
+    H, keep, D, S = 128, 128, 64, 301
+    rot = RotaryEmbedding(D, rope_scaling=YARN, interleaved=interleaved)
+    cos, sin = rot(torch.arange(4000, 4000 + S, device=CUDA))
+    base = torch.randn(2, S, H * (keep + D), device=CUDA, dtype=dtype)
+    dy = torch.randn(2, S, H, keep + D, device=CUDA, dtype=dtype)
+
+    def f(b):
+        q = b * 2  # a fresh tensor (exact), as the projection's output is
+        y = rot.rotate_heads(q, cos.unsqueeze(-2), sin.unsqueeze(-2), H, keep=keep, grad_in_place=True)
+        return y, (y * dy).sum()  # y's gradient is a fresh tensor (dy * 1), which the backward may overwrite
+
+    out = []
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        b = base.clone().requires_grad_(True)
+        y, loss = fn(b)
+        loss.backward()
+        out.append((y.detach(), b.grad))
+    assert_bitwise(out[1][0], out[0][0], "forward")
+    assert_bitwise(out[1][1], out[0][1], "gradient")
+    assert_bitwise(out[1][0][..., :keep], (base * 2).view(2, S, H, keep + D)[..., :keep], "kept columns")
+
+
 def test_compile_fullgraph_layer_training_step():
     """torch.compile(fullgraph=True) of the layer's training forward with inductor: no graph break, the rotary op
     in the graph, outputs and gradients as eager within bfloat16 rounding."""
