@@ -3,6 +3,7 @@ beside SDPA cuDNN in the same process, bf16 random normal inputs.
 
     python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
     python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
+    ... bwd --varlen longtail [--ab compact_varlen=false]                     # a packed batch; A/B of launch options
     ... [--l2-group N]                                                      # either, forced launch grouping
     ... fwd [--ctas N] [--dynamic 0|1]                                      # the forward's grid and tile assignment
 
@@ -93,9 +94,12 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
     return rows
 
 
-def bench_bwd(causal_only=False, det=True, l2_group=None):
+def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, rounds=1):
     """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows.
-    l2_group: None (bwd, the launcher's grouping) or N pairs per launch group (bwd_with_options)."""
+    l2_group: None (bwd, the launcher's grouping) or N pairs per launch group (bwd_with_options). varlen: a
+    packed batch of bench_attention.varlen_lengths(varlen) sequences at H=16 instead (no cuDNN row). ab: launch
+    options (bwd_with_options) timed beside the default launch in `rounds` alternating rounds, medians per side
+    (ours_ab_ms, ours_ab_tflops)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -120,46 +124,87 @@ def bench_bwd(causal_only=False, det=True, l2_group=None):
     cases = (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True))
     if causal_only:
         cases = tuple(c for c in cases if c[1])
+    lengths = cu = None
+    if varlen is not None:
+        from bench_attention import cu_seqlens, varlen_flops_fwd, varlen_lengths
+        lengths = varlen_lengths(varlen)
+        cu = cu_seqlens(lengths, DEV)
     rows = []
     for (d, dv_), causal in cases:
         torch.manual_seed(0)
-        q = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(B, S, H, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
-        dout = torch.randn(B, S, H, dv_, device=DEV, dtype=torch.bfloat16)
+        lead = (B, S) if lengths is None else (sum(lengths),)
+        q = torch.randn(*lead, H, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(*lead, H, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(*lead, H, dv_, device=DEV, dtype=torch.bfloat16)
+        dout = torch.randn(*lead, H, dv_, device=DEV, dtype=torch.bfloat16)
         scale = 1.0 / math.sqrt(d)
-        flops = 2.5 * 2 * B * H * S * S * (d + dv_) * (0.5 if causal else 1.0)
-        # cuDNN: (fwd + bwd) - fwd
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
-        dot = dout.transpose(1, 2)
         opts = _options(l2_group)
-        res = {"B": B, "H": H, "S": S, "dqk": d, "dv": dv_, "causal": causal,
-               "l2_group": "default" if opts is None else l2_group}
-        try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                def fwd():
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        if lengths is None:
+            flops = 2.5 * 2 * B * H * S * S * (d + dv_) * (0.5 if causal else 1.0)
+            res = {"B": B, "H": H, "S": S}
+            seqs = (None, None, None, None)
+        else:
+            flops = 2.5 * varlen_flops_fwd(lengths, H, d, dv_, causal)
+            res = {"case": "varlen", "lengths": varlen, "num_seqs": len(lengths), "tokens": sum(lengths), "H": H}
+            seqs = (cu, cu, max(lengths), max(lengths))
+        res.update({"dqk": d, "dv": dv_, "causal": causal, "l2_group": "default" if opts is None else l2_group})
+        if lengths is None:  # cuDNN: (fwd + bwd) - fwd
+            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+            dot = dout.transpose(1, 2)
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    def fwd():
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
 
-                def fwdbwd():
-                    o = fwd()
-                    torch.autograd.grad(o, (qt, kt, vt), dot)
-                t_f = timeit(fwd)
-                t_fb = timeit(fwdbwd)
-            res["cudnn_bwd_tflops"] = flops / (t_fb - t_f) / 1e12
-        except Exception as e:  # pragma: no cover
-            res["cudnn_error"] = str(e)[:200]
-        out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False)
+                    def fwdbwd():
+                        o = fwd()
+                        torch.autograd.grad(o, (qt, kt, vt), dot)
+                    t_f = timeit(fwd)
+                    t_fb = timeit(fwdbwd)
+                res["cudnn_bwd_tflops"] = flops / (t_fb - t_f) / 1e12
+            except Exception as e:  # pragma: no cover
+                res["cudnn_error"] = str(e)[:200]
+            del qt, kt, vt
+        out, lse = reference.attention_forward(q, k, v, softmax_scale=scale, causal=causal, bottom_right=False,
+                                               cu_seqlens_q=seqs[0], cu_seqlens_k=seqs[1])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for det_ in (False, True) if det else (False,):
-            args = (dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, scale, causal, False, det_)
-            t = timeit((lambda: ext_.bwd(*args)) if opts is None else (lambda: ext_.bwd_with_options(*args, opts)))
-            res[f"ours{'_det' if det_ else ''}_ms"] = round(t * 1e3, 3)
-            res[f"ours{'_det' if det_ else ''}_tflops"] = round(flops / t / 1e12, 1)
-        print(f"B={B} H={H} S={S} d={d}/{dv_} causal={causal}: {res}", flush=True)
+            args = (dout, q, k, v, out, lse, dq, dk, dv, *seqs, scale, causal, False, det_)
+            tag = "_det" if det_ else ""
+            sides = {"": opts}
+            if ab:
+                sides["_ab"] = {**(opts or {}), **ab}
+            times = {side: [] for side in sides}
+            for _ in range(rounds if ab else 1):
+                for side, o in sides.items():
+                    fn = (lambda: ext_.bwd(*args)) if o is None else (lambda o=o: ext_.bwd_with_options(*args, o))
+                    times[side].append(timeit(fn))
+            for side, ts in times.items():
+                t = sorted(ts)[len(ts) // 2]
+                res[f"ours{side}{tag}_ms"] = round(t * 1e3, 3)
+                res[f"ours{side}{tag}_tflops"] = round(flops / t / 1e12, 1)
+        if ab:
+            res["ab"] = ab
+        what = f"B={B} H={H} S={S}" if lengths is None else f"varlen {varlen} ({len(lengths)} seqs, H={H})"
+        print(f"{what} d={d}/{dv_} causal={causal}: {res}", flush=True)
         rows.append(res)
-        del q, k, v, dout, out, lse, dq, dk, dv, qt, kt, vt
+        del q, k, v, dout, out, lse, dq, dk, dv
         torch.cuda.empty_cache()
     return rows
+
+
+def parse_ab(text: str | None) -> dict | None:
+    """--ab "key=value,...": launch options for bwd_with_options (values: ints; true/false)."""
+    if not text:
+        return None
+    opts = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--ab: expected key=value, got {item!r}")
+        low = value.strip().lower()
+        opts[key.strip()] = low == "true" if low in ("true", "false") else int(value)
+    return opts
 
 
 def main(argv=None) -> int:
@@ -175,6 +220,11 @@ def main(argv=None) -> int:
                     help="fwd: a grid of N CTAs (more than the tiles: one per tile); default: the launcher's grid")
     ap.add_argument("--dynamic", type=int, choices=(0, 1), default=None,
                     help="fwd: static (0) or dynamic (1) tile assignment; default: the launcher's")
+    ap.add_argument("--varlen", default=None, metavar="KIND",
+                    help="bwd: a packed batch (bench_attention's lengths: longtail, uniform32, uniform1024), H=16")
+    ap.add_argument("--ab", default=None, metavar="KEY=VALUE,...",
+                    help="bwd: time these bwd_with_options launch options beside the default, alternating rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="bwd --ab: alternating rounds (default 3)")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     a = ap.parse_args(argv)
@@ -189,7 +239,8 @@ def main(argv=None) -> int:
                 for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group, ctas=a.ctas,
                                    dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only)]
     else:
-        rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group)
+        rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group, varlen=a.varlen, ab=parse_ab(a.ab),
+                         rounds=a.rounds)
     print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")
     return 0
 

@@ -78,7 +78,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     empty sequence, rows past the end are dropped, a sequence longer than max_seqlen keeps its first
     max_seqlen rows (queries) or keys. Rows of out and lse that no sequence covers are not written (their
     contents are unspecified), and their gradients are 0. Sequences that overlap (after a decreasing
-    cu_seqlens) are computed independently and race where they overlap. The deterministic backward
+    cu_seqlens) are computed independently and race where they overlap; the SM90 backward's packed grids hold
+    only as many blocks as sequences that do not overlap can fill, so there the gradients of the sequences
+    from the overlap on are unspecified (nothing outside the tensors is touched). The deterministic backward
     checks the values whatever check_values says (its ordered dQ reduction cannot complete for overlapping
     sequences). The SM100 kernels run on a copy of cu_seqlens made on the device, each entry clamped into
     [0, T] and raised to the one before: there a sequence that starts before the previous one ends starts

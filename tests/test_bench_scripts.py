@@ -148,8 +148,8 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
         seen.append((B, H, S, tuple(dims), l2_group))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
-    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group: [{"causal": causal_only, "det": det,
-                                                                                "l2_group": l2_group}])
+    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds: [
+        {"causal": causal_only, "det": det, "l2_group": l2_group, "varlen": varlen, "ab": ab, "rounds": rounds}])
     assert mod.main(["fwd", "--shape", "1,2,128", "--shape", "2,4,256", "--dims", "64", "--results", str(tmp_path)]) == 0
     assert seen == [(1, 2, 128, ((64, 64),), None), (2, 4, 256, ((64, 64),), None)]
     assert len(json.loads((tmp_path / "fwd-kernel.json").read_text())["rows"]) == 2
@@ -158,6 +158,13 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     assert mod.main(["bwd", "--causal-only", "--no-det", "--l2-group", "0", "--results", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "bwd-kernel.json").read_text())["rows"]
     assert (row["causal"], row["det"], row["l2_group"], row["commit"]) == (True, False, 0, "c0ffee")
+    assert (row["varlen"], row["ab"], row["rounds"]) == (None, None, 3)
+    assert mod.main(["bwd", "--varlen", "longtail", "--ab", "compact_varlen=false,l2_group=2", "--rounds", "2",
+                     "--out", str(tmp_path / "ab.json")]) == 0
+    (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert (row["varlen"], row["ab"], row["rounds"]) == ("longtail", {"compact_varlen": False, "l2_group": 2}, 2)
+    with pytest.raises(SystemExit, match="--ab: expected key=value"):
+        mod.main(["bwd", "--ab", "compact_varlen"])
 
 
 def test_layer_cpu_smoke_writes_only_with_out(tmp_path):

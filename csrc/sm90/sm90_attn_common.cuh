@@ -136,6 +136,61 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
 }
 
 // ------------------------------------------------------------------------------------------------
+// The varlen block numbering over the query (kKeys false) or key (kKeys true) sequences of p: sequence after
+// sequence, sequence b holding blocks x units numbers, blocks = ceil(len / kBlock) with len from varlen_rows
+// (so it covers exactly the blocks that hold rows, as every kernel of the call sees them) and units what each
+// block is repeated for (heads, or 1). find(p, t, units) maps a number t to its sequence b and its index r in that
+// sequence ([0, blocks x units)); b = -1 past the last number. Warp-collective (all 32 lanes, converged): a scan
+// of 32 sequences per step, lane j loading sequence chunk_b0 + j. The scan keeps its place (chunk_b0, the first
+// sequence of a 32-aligned chunk, and chunk_base, the numbers before it), so a caller whose numbers only grow
+// resumes it and a fresh one starts at sequence 0. (The forward's tile scheduler decodes its varlen tiles by the
+// same scan, written out in FwdTileScheduler::decode, whose SASS this helper would change.)
+struct VarlenNumber {
+  int b, r, blocks;
+};
+template <int kBlock, bool kKeys>
+struct VarlenNumbering {
+  int chunk_b0 = 0;
+  int chunk_base = 0;
+
+  CUTE_DEVICE VarlenNumber find(FmhaProblemParams const& p, int t, int units) {
+    int const lane = threadIdx.x % 32;
+    for (; chunk_b0 < p.batch; chunk_b0 += 32) {
+      int const b = chunk_b0 + lane;
+      int blocks = 0;  // of sequence b
+      if (b < p.batch) {
+        int64_t start;
+        int len;
+        if constexpr (kKeys) {
+          varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len);
+        } else {
+          varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len);
+        }
+        blocks = (len + kBlock - 1) / kBlock;
+      }
+      int const numbers = blocks * units;  // <= batch * units * ceil(max_len / kBlock) < 2^31 (checked by the launchers)
+      int incl = numbers;                  // inclusive prefix over the chunk's lanes
+      CUTE_UNROLL
+      for (int o = 1; o < 32; o *= 2) {
+        int const y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      int const chunk_numbers = __shfl_sync(0xffffffffu, incl, 31);
+      if (t < chunk_base + chunk_numbers) {
+        // the first lane whose inclusive prefix passes t holds the number's sequence
+        unsigned const past = __ballot_sync(0xffffffffu, chunk_base + incl > t);
+        int const src = __ffs(past) - 1;
+        int const before = __shfl_sync(0xffffffffu, incl - numbers, src);
+        int const seq_blocks = __shfl_sync(0xffffffffu, blocks, src);
+        return {chunk_b0 + src, t - chunk_base - before, seq_blocks};
+      }
+      chunk_base += chunk_numbers;
+    }
+    return {-1, 0, 0};
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
 // SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).
 // (row, col) view: ((2 [row half], MMA_M), (2 [col pair], N/8, MMA_N)).
 template <class Layout>

@@ -190,6 +190,39 @@ def test_launch_groups(ext):
     assert len(set(digests)) == 1, f"deterministic gradients differ between launch orders: {digests}"
 
 
+# 75 packed sequences (three 32-sequence steps of the grids' scan of cu_seqlens), long-tail lengths with runs
+# of empty ones: the grids over max_seqlen x batch would be about 85% past their sequence's end
+LENS_Q = [(0 if i % 11 in (4, 5, 6) else (i * 37) % 61 + (600 if i % 25 == 7 else 0)) for i in range(75)]
+LENS_K = [(0 if i % 13 == 2 else (i * 53) % 97 + (500 if i % 25 == 7 else 0)) for i in range(75)]
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+def test_compact_varlen_grids(ext, dims):
+    """Packed batches run on grids over the blocks that hold rows (FmhaBwdSm90Params::kv_slots for the main
+    kernel, q_slots for the preprocess and postprocess; numbered by a scan of cu_seqlens): correct gradients on
+    them, under forced launch groups, and on the grids over max_seqlen x batch (options["compact_varlen"] False),
+    with dK and dV bit for bit the same on every grid (a CTA's sums do not depend on where it runs; dQ's adds
+    may come in another order). Deterministic mode, whose main grid stays over max_seqlen x batch, gives all
+    three gradients the same bits with and without the compact preprocess / postprocess grids."""
+    d, dv = dims
+    cu_q = torch.tensor([0, *itertools.accumulate(LENS_Q)], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(LENS_K)], device=DEV, dtype=torch.int32)
+    q, k, v = _inputs((sum(LENS_Q), 4, d), (sum(LENS_K), 2, d), (sum(LENS_K), 2, dv), torch.bfloat16, seed=d)
+    kw = dict(scale=1 / math.sqrt(d), cu_q=cu_q, cu_k=cu_k, msq=max(LENS_Q), msk=max(LENS_K))
+    for causal, br in MASKS:
+        runs = {}
+        for name, options in (("compact", {}), ("l2_group=1", {"l2_group": 1}), ("l2_group=0", {"l2_group": 0}),
+                              ("full", {"compact_varlen": False})):
+            runs[name] = _run_and_check(ext, q, k, v, causal=causal, bottom_right=br, options=options, **kw)
+        for name, (_, dk, dv_) in runs.items():
+            for what, a, b_ in (("dk", dk, runs["full"][1]), ("dv", dv_, runs["full"][2])):
+                assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), f"{what}: {name} grid != full grid"
+        det = [_run_and_check(ext, q, k, v, causal=causal, bottom_right=br, deterministic=True,
+                              options={"compact_varlen": c}, **kw) for c in (True, False)]
+        for what, a, b_ in zip(("dq", "dk", "dv"), *det):
+            assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), f"deterministic {what}: compact != full"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
 def test_bwd_entry(ext, dims, causal):

@@ -47,7 +47,8 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
 
 // bwd_with_options' `options` -> FmhaBwdSm90Options; {} gives bwd's defaults. Keys:
 //   "l2_group": int >= 0, (kv head, batch) pairs per launch group of the main kernel (0: every pair interleaved);
-//   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run.
+//   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run;
+//   "compact_varlen": bool, varlen grids over the blocks that hold rows (default) or over max_seqlen x batch.
 FmhaBwdSm90Options parse_options(const py::dict& options) {
   FmhaBwdSm90Options o;
   constexpr const char* fn = "fmha_bwd_sm90";
@@ -57,8 +58,11 @@ FmhaBwdSm90Options parse_options(const py::dict& options) {
       o.pair_group = mla::option_count(item.second, fn, key);
     } else if (key == "poison_workspace") {
       o.poison_workspace = mla::option_bool(item.second, fn, key);
+    } else if (key == "compact_varlen") {
+      o.compact_varlen = mla::option_bool(item.second, fn, key);
     } else {
-      MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key, "' (known: l2_group, poison_workspace)");
+      MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key,
+                "' (known: l2_group, poison_workspace, compact_varlen)");
     }
   }
   return o;

@@ -51,6 +51,23 @@ __device__ __forceinline__ Seq get_seq(const FmhaBwdSm90Params& p, int b) {
   return Seq{si, (row0 + int64_t(b) * BM) / BM * BM};
 }
 
+// The M-block m and sequence b of a preprocess / postprocess CTA (query head blockIdx.y): grid
+// (ceil(max_seqlen_q / BM), Hq, B), or with p.q_slots grid (q_slots, Hq, 1) over the M-blocks that hold queries,
+// numbered sequence after sequence; false past the last of those. Warp-collective there, as cta_coords.
+template <int BM>
+__device__ __forceinline__ bool row_block_coords(const FmhaBwdSm90Params& p, int& m, int& b) {
+  if (p.q_slots > 0) {
+    mla_sm90::VarlenNumbering<BM, false> numbering;
+    const mla_sm90::VarlenNumber v = numbering.find(p, blockIdx.x, 1);
+    m = v.r;
+    b = v.b;
+    return v.b >= 0;
+  }
+  m = blockIdx.x;
+  b = blockIdx.z;
+  return true;
+}
+
 // Position of column c inside the permuted dq_accum row: within each group of 16 columns the
 // wgmma accumulator of one thread holds columns {2t, 2t+1, 2t+8, 2t+9}; they are stored at 4t..4t+3.
 __host__ __device__ __forceinline__ int dq_perm_pos(int c) {

@@ -67,10 +67,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
   const FmhaBwdSm90Params& p = args.p;
 
   int n_block, hkv, b;
-  cta_coords(p, n_block, hkv, b);
   // whole CTA, before any barrier; the rest of the CTA's geometry is computed after the warpgroup
   // split (make_cta_work), so that only the block coordinates live across it
-  if (n_block * BN >= get_seq<BM>(p, b).seqlen_k) return;
+  if (!cta_coords<BN>(p, n_block, hkv, b) || n_block * BN >= get_seq<BM>(p, b).seqlen_k) return;
 
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -240,27 +239,28 @@ bool tma_ok(const void* ptr, std::initializer_list<int64_t> strides) {
 }
 
 // The three kernels, the main kernel with `args` (its TMA descriptors made by the caller).
+// The launcher's fields of args.p (plan_launch) are set.
 template <class T, class Tr>
-cudaError_t launch_kernels(const FmhaBwdSm90Params& p, const MainArgs<Tr>& args, cudaStream_t stream) {
+cudaError_t launch_kernels(const MainArgs<Tr>& args, cudaStream_t stream) {
   constexpr int BM = Tr::BM, BN = Tr::BN, D = Tr::D, DV = Tr::DV;
   static_assert(BM == kFmhaBwdSm90BlockM, "scratch layout assumes one BM");
+  const FmhaBwdSm90Params& p = args.p;
   const int grid_m = (p.seqlen_q + BM - 1) / BM;
+  const dim3 grid_rows = p.q_slots > 0 ? dim3(p.q_slots, p.hq, 1) : dim3(grid_m, p.hq, p.batch);
   if (grid_m > 0) {
-    dim3 grid(grid_m, p.hq, p.batch);
-    fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid, 256, 0, stream>>>(p);
+    fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid_rows, 256, 0, stream>>>(p);
     MLA_CUDA_TRY(cudaGetLastError());
   }
   const int grid_n = (p.seqlen_k + BN - 1) / BN;
   if (grid_n > 0) {
     constexpr int smem = Tr::kSmemBytes;
     MLA_CUDA_TRY(mla::opt_in_dynamic_smem<fmha_bwd_sm90_main<Tr>>(smem));
-    dim3 grid(grid_n, p.hkv, p.batch);
+    const dim3 grid = p.kv_slots > 0 ? dim3(p.kv_slots, p.hkv, 1) : dim3(grid_n, p.hkv, p.batch);
     fmha_bwd_sm90_main<Tr><<<grid, Tr::kThreads, smem, stream>>>(args);
     MLA_CUDA_TRY(cudaGetLastError());
   }
   if (grid_m > 0) {
-    dim3 grid(grid_m, p.hq, p.batch);
-    fmha_bwd_sm90_postprocess<T, D, BM><<<grid, 256, 0, stream>>>(p);
+    fmha_bwd_sm90_postprocess<T, D, BM><<<grid_rows, 256, 0, stream>>>(p);
     MLA_CUDA_TRY(cudaGetLastError());
   }
   return cudaSuccess;
@@ -281,7 +281,7 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
 
   MainArgs<Tr> args{};
   args.p = p;
-  args.p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
+  plan_launch<BM, BN>(args.p, opt, l2_bytes);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQ{}), Shape<Int<BM>, Int<D>>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
   args.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
@@ -301,7 +301,7 @@ cudaError_t run(const FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l
     args.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gdK, typename Tr::SmemLayoutK{}, Shape<Int<BN>, Int<D>>{}, _1{});
     args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
   }
-  return launch_kernels<T>(p, args, stream);
+  return launch_kernels<T>(args, stream);
 }
 
 // The MLA-native 192/128 backward (TraitsMla): p describes q_nope, k_nope, dk_nope as q, k, dk (head_dim_qk 192),
@@ -330,7 +330,7 @@ cudaError_t run_mla(const FmhaBwdSm90Params& p, const FmhaBwdSm90RopeParts& rope
 
   MainArgs<Tr> args{};
   args.p = p;
-  args.p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
+  plan_launch<BM, BN>(args.p, opt, l2_bytes);
   args.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Tr::SmemLayoutQNope{}), Shape<Int<BM>, DN>{}, _1{});
   args.tma_q_pe = make_tma_copy(SM90_TMA_LOAD{}, gQpe, take<0, 2>(typename Tr::SmemLayoutQPe{}), Shape<Int<BM>, DR>{}, _1{});
   args.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Tr::SmemLayoutdO{}), Shape<Int<BM>, Int<DV>>{}, _1{});
@@ -358,7 +358,7 @@ cudaError_t run_mla(const FmhaBwdSm90Params& p, const FmhaBwdSm90RopeParts& rope
     args.tma_dk_pe = make_tma_copy(SM90_TMA_STORE{}, gdKpe, typename Tr::SmemLayoutKPe{}, Shape<Int<BN>, DR>{}, _1{});
     args.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gdV, typename Tr::SmemLayoutV{}, Shape<Int<BN>, Int<DV>>{}, _1{});
   }
-  return launch_kernels<T>(p, args, stream);
+  return launch_kernels<T>(args, stream);
 }
 
 }  // namespace fmha_bwd_sm90

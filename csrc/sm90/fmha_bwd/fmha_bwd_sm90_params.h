@@ -41,6 +41,13 @@ struct FmhaBwdSm90Params : FmhaProblemParams {
   // (kv head, batch) pairs x K/V blocks, this many pairs per group, K/V block 0 (the longest under a
   // causal mask) first. 1 = one pair after another; hkv * batch = every pair interleaved.
   int pair_group;
+  // Compact varlen grids (set by the launcher; 0: the grids over max_seqlen x batch, most of whose CTAs find
+  // their block past their sequence's end where lengths differ). kv_slots > 0: the main kernel's grid is
+  // (kv_slots, Hkv, 1), the K/V blocks that hold keys numbered sequence after sequence (VarlenNumbering over
+  // cu_seqlens_k) in grouped_tile's order with the kv heads as its pairs. q_slots > 0: the preprocess and
+  // postprocess grids are (q_slots, Hq, 1) over the M-blocks that hold queries. Each is (rows + batch *
+  // (block - 1)) / block, the most blocks that sequences which do not overlap can hold.
+  int kv_slots, q_slots;
   // dK/dV leave through smem and a TMA store for K/V blocks that lie entirely inside their sequence
   // (set by the launcher when dk/dv allow TMA: 16-byte aligned base and strides); the other blocks,
   // and every block when false, store from registers.
@@ -74,6 +81,9 @@ struct FmhaBwdSm90Options {
   // Fill the fp32 workspace with 0xff bytes (NaN; -1 in the semaphores) before the kernels run, so that
   // a row or block they fail to write or clear shows up (host api only).
   bool poison_workspace = false;
+  // Varlen: the compact grids (FmhaBwdSm90Params::kv_slots, q_slots) where they have fewer CTAs; false: the
+  // grids over max_seqlen x batch (for A/B runs and tests).
+  bool compact_varlen = true;
 };
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu. Each launches the three

@@ -10,8 +10,9 @@ using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
 // Postprocess: dq = softmax_scale * dq_accum (undo the column permutation), cast, store.
-// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads. Consecutive lanes read consecutive 16-byte vectors
-// of the block (one warp instruction = 512 contiguous bytes), all of a thread's loads before its stores.
+// Grid (ceil(max_seqlen_q / BM), Hq, B) or the compact varlen grid (row_block_coords), 256 threads.
+// Consecutive lanes read consecutive 16-byte vectors of the block (one warp instruction = 512 contiguous
+// bytes), all of a thread's loads before its stores.
 // Each vector holds two column pairs (dq_vec_col): two 4-byte stores of the converted pairs.
 template <class Element, int D, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm90Params p) {
@@ -19,7 +20,9 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_postprocess(const FmhaBwdSm
   constexpr int kRowVecs = D / 4;
   constexpr int kVecs = BM * kRowVecs / 256;  // per thread
   static_assert(BM * kRowVecs % 256 == 0, "whole vectors per thread");
-  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.y;
+  int m, b;
+  if (!row_block_coords<BM>(p, m, b)) return;
   const Seq s = get_seq<BM>(p, b);
   if (m * BM >= s.seqlen_q) return;
   const float4* src = reinterpret_cast<const float4*>(

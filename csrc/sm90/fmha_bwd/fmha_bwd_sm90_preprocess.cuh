@@ -10,12 +10,14 @@ using namespace cute;
 
 // Preprocess: dpsum = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e) (+inf for rows with no key
 // and padding rows, so P = 0 there), clear the dQ accumulator block and its semaphore.
-// Grid (ceil(max_seqlen_q / BM), Hq, B), 256 threads (4 per row).
+// Grid (ceil(max_seqlen_q / BM), Hq, B) or the compact varlen grid (row_block_coords), 256 threads (4 per row).
 template <class Element, int D, int DV, int BM>
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_preprocess(const FmhaBwdSm90Params p) {
   static_assert(BM * 4 == 256, "4 threads per row");
   static_assert(DV % 32 == 0, "dv multiple of 32");
-  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.y;
+  int m, b;
+  if (!row_block_coords<BM>(p, m, b)) return;
   const Seq s = get_seq<BM>(p, b);
   if (m * BM >= s.seqlen_q) return;
   const int tid = threadIdx.x;

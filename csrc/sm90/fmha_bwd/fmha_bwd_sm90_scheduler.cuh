@@ -32,14 +32,26 @@ struct CtaWork {
   }
 };
 
-// The (K/V block, kv head, batch) of this CTA in the launch order of p.pair_group. In deterministic
-// mode block n waits for block n-1's dQ adds of the same pair: every grouping dispatches n-1 first.
-__device__ __forceinline__ void cta_coords(const FmhaBwdSm90Params& p, int& n_block, int& hkv, int& b) {
+// The (K/V block, kv head, batch) of this CTA in the launch order of p.pair_group; false for a CTA of the compact
+// varlen grid (p.kv_slots) past the last block that holds keys. Warp-collective there (all 32 lanes, converged):
+// every warp that calls it scans cu_seqlens_k on its own. In deterministic mode block n waits for block n-1's dQ
+// adds of the same pair: every grouping dispatches n-1 first.
+template <int BN>
+__device__ __forceinline__ bool cta_coords(const FmhaBwdSm90Params& p, int& n_block, int& hkv, int& b) {
   const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   const mla_sm90::GroupedTile t = mla_sm90::grouped_tile(lin, gridDim.y * gridDim.z, gridDim.x, p.pair_group);
+  if (p.kv_slots > 0) {  // grid (kv_slots, Hkv, 1): the pairs are the kv heads, the ranks the numbered K/V blocks
+    mla_sm90::VarlenNumbering<BN, true> numbering;
+    const mla_sm90::VarlenNumber v = numbering.find(p, t.rank, 1);
+    n_block = v.r;
+    hkv = t.pair;
+    b = v.b;
+    return v.b >= 0;
+  }
   n_block = t.rank;
   hkv = t.pair % gridDim.y;
   b = t.pair / gridDim.y;
+  return true;
 }
 
 // The CtaWork of this CTA. Called by each warpgroup role after its setmaxnreg, so that the values
@@ -75,8 +87,9 @@ __device__ __forceinline__ CtaWork make_cta_work(const FmhaBwdSm90Params& p, int
 //   192/128 443 / 456 / 455 / 457 / 450 / 419; 128/128 528 / 541 / 542 / 556 / 531 / 526.
 // `forced` (FmhaBwdSm90Options::pair_group, from bwd_with_options) overrides it: N pairs per group, 0 all
 // pairs interleaved; negative: this choice, for a device with l2_bytes of L2.
+// On the compact varlen grid (p.kv_slots) the pairs are the kv heads alone.
 inline int pair_group(const FmhaBwdSm90Params& p, int forced, int l2_bytes) {
-  const int pairs = p.hkv * p.batch;
+  const int pairs = p.kv_slots > 0 ? p.hkv : p.hkv * p.batch;
   if (forced == 0) return pairs;
   if (forced > 0) return forced < pairs ? forced : pairs;
   if (!p.causal) return 1;
@@ -87,6 +100,29 @@ inline int pair_group(const FmhaBwdSm90Params& p, int forced, int l2_bytes) {
   int g = 1;
   while (2 * g <= fit && 2 * g <= pairs) g *= 2;
   return g;
+}
+
+// The size of a compact varlen grid over `rows` packed rows in blocks of `block` (FmhaBwdSm90Params::kv_slots,
+// q_slots): (rows + batch * (block - 1)) / block, the most blocks that sequences which do not overlap can hold
+// (valid cu_seqlens never overlap; for overlapping ones, which the documentation leaves racing, the blocks past
+// that count are not run). 0, the grid over max_seqlen x batch, for dense problems, when not `allowed`, and
+// where that grid is not larger.
+inline int compact_slots(bool varlen, bool allowed, int rows, int max_len, int batch, int block) {
+  if (!varlen || !allowed) return 0;
+  const int64_t slots = (int64_t(rows) + int64_t(batch) * (block - 1)) / block;
+  const int64_t full = int64_t((max_len + block - 1) / block) * batch;
+  return slots < full ? int(slots) : 0;
+}
+
+// The launcher's fields of p for a kernel of tiles BM x BN (kv_slots, q_slots, pair_group). The main kernel
+// keeps the grid over max_seqlen x batch in deterministic mode, whose ordered dQ adds want block n-1 of every
+// sequence a whole round of the grid ahead of block n (every pair interleaved, pair_group).
+template <int BM, int BN>
+inline void plan_launch(FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  p.q_slots = compact_slots(varlen, opt.compact_varlen, p.rows_q, p.seqlen_q, p.batch, BM);
+  p.kv_slots = compact_slots(varlen, opt.compact_varlen && !p.deterministic, p.rows_k, p.seqlen_k, p.batch, BN);
+  p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
 }
 
 }  // namespace fmha_bwd_sm90
