@@ -139,21 +139,19 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
 // The varlen block numbering over the query (kKeys false) or key (kKeys true) sequences of p: sequence after
 // sequence, sequence b holding blocks x units numbers, blocks = ceil(len / kBlock) with len from varlen_rows
 // (so it covers exactly the blocks that hold rows, as every kernel of the call sees them) and units what each
-// block is repeated for (heads, or 1). find(p, t, units) maps a number t to its sequence b and its index r in that
-// sequence ([0, blocks x units)); b = -1 past the last number. Warp-collective (all 32 lanes, converged): a scan
-// of 32 sequences per step, lane j loading sequence chunk_b0 + j. The scan keeps its place (chunk_b0, the first
-// sequence of a 32-aligned chunk, and chunk_base, the numbers before it), so a caller whose numbers only grow
-// resumes it and a fresh one starts at sequence 0. (The forward's tile scheduler decodes its varlen tiles by the
-// same scan, written out in FwdTileScheduler::decode, whose SASS this helper would change.)
-struct VarlenNumber {
-  int b, r, blocks;
-};
+// block is repeated for (heads, or 1). find(p, t, units, none, found) returns found(b, r, blocks) for number t:
+// its sequence b, its index r in that sequence ([0, blocks x units)) and that sequence's blocks; `none` past the
+// last number. Warp-collective (all 32 lanes, converged): a scan of 32 sequences per step, lane j loading
+// sequence chunk_b0 + j. The scan keeps its place (chunk_b0, the first sequence of a 32-aligned chunk, and
+// chunk_base, the numbers before it), so a caller whose numbers only grow resumes it (a forward CTA reads
+// cu_seqlens once over all its tiles) and a fresh one starts at sequence 0.
 template <int kBlock, bool kKeys>
 struct VarlenNumbering {
   int chunk_b0 = 0;
   int chunk_base = 0;
 
-  CUTE_DEVICE VarlenNumber find(FmhaProblemParams const& p, int t, int units) {
+  template <class Result, class Found>
+  CUTE_DEVICE Result find(FmhaProblemParams const& p, int t, int units, Result none, Found found) {
     int const lane = threadIdx.x % 32;
     for (; chunk_b0 < p.batch; chunk_b0 += 32) {
       int const b = chunk_b0 + lane;
@@ -182,11 +180,11 @@ struct VarlenNumbering {
         int const src = __ffs(past) - 1;
         int const before = __shfl_sync(0xffffffffu, incl - numbers, src);
         int const seq_blocks = __shfl_sync(0xffffffffu, blocks, src);
-        return {chunk_b0 + src, t - chunk_base - before, seq_blocks};
+        return found(chunk_b0 + src, t - chunk_base - before, seq_blocks);
       }
       chunk_base += chunk_numbers;
     }
-    return {-1, 0, 0};
+    return none;
   }
 };
 

@@ -7,9 +7,9 @@
 //    inside a head its M-blocks from the last (the longest under a causal mask) to the first. A grid over
 //    max_seqlen x batch instead would be mostly empty tiles where lengths differ (31 documents of up to 4209
 //    tokens in 32k: about 70% of max_seqlen x batch x heads tiles are past their sequence's end).
-// The varlen numbering is decoded by one warp: a scan over ceil(len / kBM) * heads per sequence, 32 sequences
-// per step, resumed where the previous decode stopped (a CTA's tile numbers only grow), so a CTA scans the
-// cu_seqlens once over all of its tiles.
+// The varlen numbering is decoded by one warp (VarlenNumbering, sm90_attn_common.cuh): a scan over
+// ceil(len / kBM) * heads per sequence, 32 sequences per step, resumed where the previous decode stopped (a CTA's
+// tile numbers only grow), so a CTA scans the cu_seqlens once over all of its tiles.
 // Assignment: static (CTA c runs c, c + gridDim.x, ...) or dynamic (the next number from a counter in global
 // memory, taken when the CTA's producer has issued the loads of its current tile).
 #pragma once
@@ -56,9 +56,8 @@ template <int kBM>
 struct FwdTileScheduler {
   FmhaFwdSm90Params const& p;
   int num_hb, num_m;
-  // varlen: the first sequence of the scan's current 32-sequence chunk, and the tiles before it
-  int chunk_b0 = 0;
-  int chunk_base = 0;
+  // varlen: tiles numbered sequence after sequence (units: the heads), the scan resumed from tile to tile
+  VarlenNumbering<kBM, false> varlen;
 
   CUTE_DEVICE FwdTileScheduler(FmhaFwdSm90Params const& p_, int num_hb_, int num_m_)
       : p(p_), num_hb(num_hb_), num_m(num_m_) {}
@@ -82,37 +81,10 @@ struct FwdTileScheduler {
       GroupedTile const tc = grouped_tile(t, num_hb, num_m, p.l2_head_group);
       return {tc.pair % p.hq, tc.pair / p.hq, num_m - 1 - tc.rank};
     }
-    int const lane = threadIdx.x % 32;
-    for (; chunk_b0 < p.batch; chunk_b0 += 32) {
-      int const b = chunk_b0 + lane;
-      int m_blocks = 0;  // of sequence b
-      if (b < p.batch) {
-        int64_t start;
-        int len;
-        varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len);
-        m_blocks = (len + kBM - 1) / kBM;
-      }
-      int const tiles = m_blocks * p.hq;  // <= batch * hq * num_m < 2^31 (checked by the launcher)
-      int incl = tiles;                   // inclusive prefix over the chunk's lanes
-      CUTE_UNROLL
-      for (int o = 1; o < 32; o *= 2) {
-        int const y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      int const chunk_tiles = __shfl_sync(0xffffffffu, incl, 31);
-      if (t < chunk_base + chunk_tiles) {
-        // the first lane whose inclusive prefix passes t holds the tile's sequence
-        unsigned const past = __ballot_sync(0xffffffffu, chunk_base + incl > t);
-        int const src = __ffs(past) - 1;
-        int const before = __shfl_sync(0xffffffffu, incl - tiles, src);
-        int const seq_m = __shfl_sync(0xffffffffu, m_blocks, src);
-        int const r = t - chunk_base - before;
-        int const h = r / seq_m;
-        return {h, chunk_b0 + src, seq_m - 1 - (r - h * seq_m)};
-      }
-      chunk_base += chunk_tiles;
-    }
-    return {-1, 0, 0};
+    return varlen.find(p, t, p.hq, FwdTileCoord{-1, 0, 0}, [](int b, int r, int seq_m) {
+      int const h = r / seq_m;
+      return FwdTileCoord{h, b, seq_m - 1 - (r - h * seq_m)};
+    });
   }
 };
 
