@@ -144,7 +144,11 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
 // last number. Warp-collective (all 32 lanes, converged): a scan of 32 sequences per step, lane j loading
 // sequence chunk_b0 + j. The scan keeps its place (chunk_b0, the first sequence of a 32-aligned chunk, and
 // chunk_base, the numbers before it), so a caller whose numbers only grow resumes it (a forward CTA reads
-// cu_seqlens once over all its tiles) and a fresh one starts at sequence 0.
+// cu_seqlens once over all its tiles) and a fresh one starts at sequence 0. find(p, t, units) returns
+// {b, r, blocks}, b = -1 past the last number.
+struct VarlenNumber {
+  int b, r, blocks;
+};
 template <int kBlock, bool kKeys>
 struct VarlenNumbering {
   int chunk_b0 = 0;
@@ -185,6 +189,11 @@ struct VarlenNumbering {
       chunk_base += chunk_numbers;
     }
     return none;
+  }
+
+  CUTE_DEVICE VarlenNumber find(FmhaProblemParams const& p, int t, int units) {
+    return find(p, t, units, VarlenNumber{-1, 0, 0},
+                [](int b, int r, int blocks) { return VarlenNumber{b, r, blocks}; });
   }
 };
 

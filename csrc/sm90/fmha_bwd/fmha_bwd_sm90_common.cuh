@@ -57,11 +57,11 @@ __device__ __forceinline__ Seq get_seq(const FmhaBwdSm90Params& p, int b) {
 template <int BM>
 __device__ __forceinline__ bool row_block_coords(const FmhaBwdSm90Params& p, int& m, int& b) {
   if (p.q_slots > 0) {
-    return mla_sm90::VarlenNumbering<BM, false>{}.find(p, int(blockIdx.x), 1, false, [&](int seq, int r, int) {
-      m = r;
-      b = seq;
-      return true;
-    });
+    mla_sm90::VarlenNumbering<BM, false> numbering;
+    const mla_sm90::VarlenNumber v = numbering.find(p, blockIdx.x, 1);
+    m = v.r;
+    b = v.b;
+    return v.b >= 0;
   }
   m = blockIdx.x;
   b = blockIdx.z;

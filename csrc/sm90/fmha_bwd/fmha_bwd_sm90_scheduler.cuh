@@ -41,12 +41,12 @@ __device__ __forceinline__ bool cta_coords(const FmhaBwdSm90Params& p, int& n_bl
   const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   const mla_sm90::GroupedTile t = mla_sm90::grouped_tile(lin, gridDim.y * gridDim.z, gridDim.x, p.pair_group);
   if (p.kv_slots > 0) {  // grid (kv_slots, Hkv, 1): the pairs are the kv heads, the ranks the numbered K/V blocks
+    mla_sm90::VarlenNumbering<BN, true> numbering;
+    const mla_sm90::VarlenNumber v = numbering.find(p, t.rank, 1);
+    n_block = v.r;
     hkv = t.pair;
-    return mla_sm90::VarlenNumbering<BN, true>{}.find(p, t.rank, 1, false, [&](int seq, int r, int) {
-      n_block = r;
-      b = seq;
-      return true;
-    });
+    b = v.b;
+    return v.b >= 0;
   }
   n_block = t.rank;
   hkv = t.pair % gridDim.y;
