@@ -5,9 +5,13 @@ Measurements, median of CUDA-event timings, each with the peak memory of one mor
 
 1. train step: forward, and forward + backward, of one attention layer (DeepSeek-V3 dims by default: hidden
    7168, 128 heads, q_lora_rank 1536, latent 512, qk 128+64, v 128, YaRN) at batch 1 x each --seqlen
-   (default 4096), causal, bf16. Ours (expanded latent + mla_autograd.attention) vs transformers eager and
+   (default 4096), causal, bf16. Ours (mla_autograd.nn.MultiHeadLatentAttention) vs transformers eager and
    sdpa, same weights. Transformers eager materializes the B x H x S x S scores (64 GiB a copy at S=16384 in
-   bf16): above --eager-max-seqlen it is not run and writes no row.
+   bf16): above --eager-max-seqlen it is not run and writes no row. The implementations are timed in
+   alternating rounds (--rounds, each --iters calls of every implementation in turn, the order reversed from
+   one round to the next; median_ms is the median of the rounds' medians, median_ms_rounds lists them): the
+   GPU's clock follows its power and temperature, and the rows compared share each round's conditions. Warmup,
+   peak memory and the floor are measured before the rounds, with each layer's weights alone on the device.
 2. the floor of our train step: one forward + backward under torch.profiler, its device time split into
    GEMMs (the projections, which any implementation of the layer pays), our attention kernels, and the rest
    (RoPE, norms, concatenations, copies). floor = GEMM + attention; step_over_floor = the step's median over
@@ -17,10 +21,11 @@ Measurements, median of CUDA-event timings, each with the peak memory of one mor
    transformers: its latent DynamicCache (expand_kv over the whole cache every step), eager and sdpa.
 
 Rows: measure (train_fwd, train_fwd_bwd, train_fwd_bwd_floor, decode_step), impl, seqlen (train rows),
-compile, median_ms / min_ms / max_ms / iters, peak_mib (torch.cuda.max_memory_allocated over one step:
-weights and inputs included) and peak_over_start_mib (less what was allocated when the step began: what the
-step itself needs); a floor row has gemm_ms, attention_ms, other_ms, floor_ms, device_ms (all kernels),
-step_ms, step_over_floor and other_top (the largest glue kernels: [name, us, launches] per step). Memory and profiler fields are None off CUDA.
+compile, median_ms / min_ms / max_ms / iters (calls per round; the train rows add rounds and median_ms_rounds),
+peak_mib (torch.cuda.max_memory_allocated over one step: weights and inputs included) and peak_over_start_mib
+(less what was allocated when the step began: what the step itself needs); a floor row has gemm_ms,
+attention_ms, other_ms, floor_ms, device_ms (all kernels), step_ms, step_over_floor and other_top (the largest
+glue kernels: [name, us, launches] per step). Memory and profiler fields are None off CUDA.
 
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
 error and the rest go on. A GPU run is added to the results store bench/results/layer.json (bench/store.py:
@@ -71,26 +76,41 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no transforme
     _HF_ERR = f"{type(e).__name__}: {e}"
 
 
-def timeit(fn, *, warmup: int, iters: int, device: torch.device) -> dict:
-    """Median / min / max milliseconds of fn() over iters calls after warmup calls."""
-    for _ in range(warmup):
-        fn()
+def timed_calls(fn, iters: int, device: torch.device) -> list:
+    """Milliseconds of each of iters calls of fn (CUDA events, a sync after each call; wall clock off CUDA)."""
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(iters):
+    for _ in range(iters):
+        if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
             torch.cuda.synchronize(device)
             times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
+        else:
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def timeit(fn, *, warmup: int, iters: int, device: torch.device) -> dict:
+    """Median / min / max milliseconds of fn() over iters calls after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    times = timed_calls(fn, iters, device)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
+
+
+def round_stats(rounds: list) -> dict:
+    """Timing fields of a row from its rounds (a list of per-call millisecond lists): median_ms, the median of the
+    rounds' medians; min_ms / max_ms over every call; median_ms_rounds; iters (calls per round); rounds."""
+    medians = [statistics.median(t) for t in rounds]
+    every = [x for t in rounds for x in t]
+    return {"median_ms": statistics.median(medians), "min_ms": min(every), "max_ms": max(every),
+            "median_ms_rounds": medians, "iters": len(rounds[0]), "rounds": len(rounds)}
 
 
 MIB = 1 << 20
@@ -183,13 +203,54 @@ def attn_flops(b, s, h, dqk, dv, causal=True):
 
 def bench_train(a, device, dtype, rows, backends):
     torch.manual_seed(0)
-    # the weights live on the host between rows, so that each row's peak memory holds its own layer alone
+    # the weights live on the host between rows, so that each layer's peak memory is measured with its own
+    # weights alone on the device
     state = {k: v.detach().cpu() for k, v in make_ours(a, torch.device("cpu"), dtype).state_dict().items()}
     for S in a.seqlen:
         bench_train_at(a, S, state, device, dtype, rows, backends)
 
 
+class TrainImpl:
+    """One implementation of the train rows: its layer (on the host until measured), the call on it, and the
+    step closures over one input x and output gradient dy."""
+
+    def __init__(self, name, layer, call, x, dy, compiled=False):
+        self.name, self.layer, self.call, self.compiled = name, layer, call, compiled
+        self.xg = x.detach().requires_grad_(True)
+        self.x, self.dy = x, dy
+        self.error = {}  # kind ("fwd", "fwd_bwd") -> the failure that dropped it from the rounds
+        self.rounds = {"fwd": [], "fwd_bwd": []}  # kind -> per-round lists of call times
+        self.memory, self.floor = {}, None
+
+    def clear(self):
+        self.layer.zero_grad(set_to_none=True)
+        self.xg.grad = None
+
+    def fwd(self):
+        with torch.no_grad():
+            self.call(self.layer, self.x)
+
+    def fwd_bwd(self):
+        self.clear()
+        self.call(self.layer, self.xg).backward(self.dy)
+
+    def fn(self, kind):
+        return self.fwd if kind == "fwd" else self.fwd_bwd
+
+    @property
+    def ours(self):
+        return self.name.startswith("mla_autograd")
+
+
+TRAIN_KINDS = ("fwd", "fwd_bwd")
+
+
 def bench_train_at(a, S, state, device, dtype, rows, backends):
+    """The train rows at one length. First each implementation alone on the device (its layer's weights the only
+    ones there): warmup calls (torch.compile compiles in them), the peak memory of one step, and for ours the
+    profiled floor. Then every implementation on the device and --rounds rounds, each timing --iters calls of
+    every implementation in turn, the order reversed from one round to the next: the GPU's clock follows its
+    power and temperature, so the implementations compared share each round's conditions."""
     B = a.batch
     torch.manual_seed(0)
     x = torch.randn(B, S, a.hidden, device=device, dtype=dtype)
@@ -205,92 +266,118 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
         backends[f"train_S{S}"] = chosen
     print(f"S={S}: ours attention backend: forward {ex.forward.backend}, backward {ex.backward.backend}")
 
-    def run_rows(name, layer, call, compiled=False):
-        xg = x.detach().requires_grad_(True)
+    def compiled(call):
+        # static shapes: each seqlen its own graph, as a training run at one length would have
+        return torch.compile(call, dynamic=False)
 
-        def fwd():
-            with torch.no_grad():
-                call(layer, x)
-
-        def clear():
-            layer.zero_grad(set_to_none=True)
-            xg.grad = None
-
-        def step():
-            clear()
-            call(layer, xg).backward(dy)
-
-        for kind, fn in (("fwd", fwd), ("fwd_bwd", step)):
-            row = {"measure": f"train_{kind}", "impl": name, "seqlen": S, "compile": compiled}
-            what = f"S={S:<6d} {row['measure']}/{name}"
+    host = torch.device("cpu")
+    impls, setup_rows = [], []
+    ours = make_ours(a, host, dtype, state)
+    impls.append(TrainImpl("mla_autograd", ours, lambda m, h: m(h), x, dy))
+    if a.compile:
+        impls.append(TrainImpl("mla_autograd+compile", ours, compiled(lambda m, h: m(h)), x, dy, compiled=True))
+    if transformers is not None:
+        for attn in ("eager", "sdpa"):
+            if attn == "eager" and S > a.eager_max_seqlen:
+                print(f"S={S:<6d} transformers eager skipped: above --eager-max-seqlen {a.eager_max_seqlen}")
+                continue
             try:
-                row.update(timeit(fn, warmup=a.warmup, iters=a.iters, device=device))
-                row["attention_tflops_fwd_equiv"] = None
-                if kind == "fwd":
-                    row["attention_tflops_fwd_equiv"] = fl / (row["median_ms"] * 1e-3) / 1e12
-                row.update(step_memory(fn, device, before=clear))
-                mem = f", peak {row['peak_mib']:.0f} MiB" if row["peak_mib"] is not None else ""
-                print(f"{what:44s} {row['median_ms']:9.3f} ms (min {row['min_ms']:.3f}){mem}")
+                cfg = hf_config(a, attn)
+                hf = DeepseekV3Attention(cfg, layer_idx=0).to(dtype)
+                hf.load_state_dict(state, strict=True)
+                rot = DeepseekV3RotaryEmbedding(cfg).to(device)
+                pos = torch.arange(S, device=device)[None].expand(B, S)
+                mask = None
+                if attn == "eager":
+                    mask = torch.full((S, S), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
+
+                def call(m, h, rot=rot, pos=pos, mask=mask):
+                    return m(h, rot(h, pos), mask)[0]
+
+                impls.append(TrainImpl(f"transformers_{attn}", hf, call, x, dy))
+                if a.compile and attn == "sdpa":
+                    impls.append(TrainImpl(f"transformers_{attn}+compile", hf, compiled(call), x, dy, compiled=True))
             except Exception as e:  # noqa: BLE001
-                row.update(failed(e))
-                print(f"{what:44s} FAILED {row['error']}")
-            rows.append(row)
-            if kind == "fwd_bwd" and name.startswith("mla_autograd") and "error" not in row:
-                floor = {"measure": "train_fwd_bwd_floor", "impl": name, "seqlen": S, "compile": compiled}
+                setup_rows.append({"measure": "train", "impl": f"transformers_{attn}", "seqlen": S, **failed(e)})
+                print(f"transformers {attn} setup FAILED: {e}")
+
+    # ---- each layer alone on the device: warmup, peak memory, floor ----
+    layers = list(dict.fromkeys(im.layer for im in impls))
+    for layer in layers:
+        layer.to(device)
+        for im in (im for im in impls if im.layer is layer):
+            for kind in TRAIN_KINDS:
+                fn = im.fn(kind)
                 try:
-                    clear()
-                    floor.update(step_floor(step, device, row["median_ms"]))
+                    for _ in range(a.warmup):
+                        fn()
+                    im.memory[kind] = step_memory(fn, device, before=im.clear)
+                except Exception as e:  # noqa: BLE001
+                    im.error[kind] = failed(e)
+                    print(f"S={S:<6d} train_{kind}/{im.name} FAILED {im.error[kind]['error']}")
+            if im.ours and "fwd_bwd" not in im.error:
+                try:
+                    im.clear()
+                    im.floor = step_floor(im.fwd_bwd, device, 0.0)
+                except Exception as e:  # noqa: BLE001
+                    im.floor = failed(e)
+        layer.to(host)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- alternating rounds, every layer on the device ----
+    for layer in layers:
+        layer.to(device)
+    for r in range(a.rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for kind in TRAIN_KINDS:
+            for im in order:
+                if kind in im.error:
+                    continue
+                try:
+                    fn = im.fn(kind)
+                    fn()  # one untimed call: the last round's other implementations ran in between
+                    im.rounds[kind].append(timed_calls(fn, a.iters, device))
+                except Exception as e:  # noqa: BLE001
+                    im.error[kind] = failed(e)
+                    print(f"S={S:<6d} train_{kind}/{im.name} FAILED {im.error[kind]['error']}")
+
+    # ---- rows ----
+    for im in impls:
+        for kind in TRAIN_KINDS:
+            row = {"measure": f"train_{kind}", "impl": im.name, "seqlen": S, "compile": im.compiled}
+            what = f"S={S:<6d} {row['measure']}/{im.name}"
+            if kind in im.error:
+                row.update(im.error[kind])
+                rows.append(row)
+                continue
+            row.update(round_stats(im.rounds[kind]))
+            row["attention_tflops_fwd_equiv"] = fl / (row["median_ms"] * 1e-3) / 1e12 if kind == "fwd" else None
+            row.update(im.memory[kind])
+            mem = f", peak {row['peak_mib']:.0f} MiB" if row["peak_mib"] is not None else ""
+            spread = ", ".join(f"{t:.3f}" for t in row["median_ms_rounds"])
+            print(f"{what:44s} {row['median_ms']:9.3f} ms (rounds {spread}; min {row['min_ms']:.3f}){mem}")
+            rows.append(row)
+            if kind == "fwd_bwd" and im.floor is not None:
+                floor = {"measure": "train_fwd_bwd_floor", "impl": im.name, "seqlen": S, "compile": im.compiled}
+                floor.update(im.floor)
+                if "error" in floor:
+                    print(f"{what:44s} floor FAILED {floor['error']}")
+                else:
                     floor["step_ms"] = row["median_ms"]
-                    if floor["floor_ms"] is not None:
+                    if floor["floor_ms"]:
+                        floor["step_over_floor"] = row["median_ms"] / floor["floor_ms"]
                         print(f"{'':44s} floor {floor['floor_ms']:.3f} ms (GEMM {floor['gemm_ms']:.3f} + attention "
                               f"{floor['attention_ms']:.3f}; other {floor['other_ms']:.3f}), "
                               f"step/floor {floor['step_over_floor']:.2f}")
                         for name, us, n in floor["other_top"]:
                             print(f"{'':48s} {us:8.1f} us x{n:<4g} {name[:90]}")
-                except Exception as e:  # noqa: BLE001
-                    floor.update(failed(e))
-                    print(f"{what:44s} floor FAILED {floor['error']}")
                 rows.append(floor)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def compiled(call):
-        # static shapes: each seqlen its own graph, as a training run at one length would have
-        return torch.compile(call, dynamic=False)
-
-    ours = make_ours(a, device, dtype, state)
-    run_rows("mla_autograd", ours, lambda m, h: m(h))
-    if a.compile:
-        run_rows("mla_autograd+compile", ours, compiled(lambda m, h: m(h)), compiled=True)
-    del ours
-    if transformers is None:
-        return
-    for attn in ("eager", "sdpa"):
-        if attn == "eager" and S > a.eager_max_seqlen:
-            print(f"S={S:<6d} transformers eager skipped: above --eager-max-seqlen {a.eager_max_seqlen}")
-            continue
-        try:
-            cfg = hf_config(a, attn)
-            hf = DeepseekV3Attention(cfg, layer_idx=0).to(device, dtype)
-            hf.load_state_dict(state, strict=True)
-            rot = DeepseekV3RotaryEmbedding(cfg).to(device)
-            pos = torch.arange(S, device=device)[None].expand(B, S)
-            mask = None
-            if attn == "eager":
-                mask = torch.full((S, S), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
-
-            def call(m, h, rot=rot, pos=pos, mask=mask):
-                return m(h, rot(h, pos), mask)[0]
-
-            run_rows(f"transformers_{attn}", hf, call)
-            if a.compile and attn == "sdpa":
-                run_rows(f"transformers_{attn}+compile", hf, compiled(call), compiled=True)
-            del hf, mask
-        except Exception as e:  # noqa: BLE001
-            rows.append({"measure": "train", "impl": f"transformers_{attn}", "seqlen": S, **failed(e)})
-            print(f"transformers {attn} setup FAILED: {e}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows.extend(setup_rows)
+    for layer in layers:
+        layer.to(host)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.inference_mode()
@@ -389,8 +476,11 @@ def main(argv=None):
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-len", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 3; 1 with --small)")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed calls per implementation (and round) (default 10; 3 with --small)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="train rows: rounds over the implementations, the order reversed each round")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the train rows of ours and transformers sdpa under torch.compile")
@@ -399,6 +489,10 @@ def main(argv=None):
     ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
                     help="only redraw the PNG of the latest run in a results file (default the layer store)")
     a = ap.parse_args(argv)
+    a.warmup = (1 if a.small else 3) if a.warmup is None else a.warmup
+    a.iters = (3 if a.small else 10) if a.iters is None else a.iters
+    if a.rounds < 1 or a.iters < 1 or a.warmup < 0:
+        ap.error("--rounds and --iters take a positive count, --warmup a count")
     if a.replot is not None:
         src = Path(a.replot) if a.replot else store_path("layer", a.results)
         st = load(src)
@@ -411,7 +505,7 @@ def main(argv=None):
         return 0
     if a.small:
         a.hidden, a.heads, a.q_lora_rank = 256, 8, 64
-        a.decode_batch, a.decode_len, a.page_size, a.warmup, a.iters = 2, 100, 16, 1, 3
+        a.decode_batch, a.decode_len, a.page_size = 2, 100, 16
     a.seqlen = a.seqlen or ([128] if a.small else [4096])
     dtype = getattr(torch, a.dtype)
     if device.type == "cpu" and dtype != torch.float32:
@@ -434,7 +528,7 @@ def main(argv=None):
         "dtype": str(dtype).replace("torch.", ""),
         "config": {k: getattr(a, k) for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope", "rope", "v",
                                               "batch", "seqlen", "eager_max_seqlen", "decode_batch", "decode_len",
-                                              "page_size", "warmup", "iters", "compile")},
+                                              "page_size", "warmup", "iters", "rounds", "compile")},
         "backends": backends,
     })
     if device.type != "cuda":

@@ -269,12 +269,44 @@ def test_layer_cpu_train_rows_per_seqlen_with_compile_floor_and_memory_fields(mo
             assert r["step_ms"] == rows["train_fwd_bwd", impl, S]["median_ms"]
         else:
             assert r["median_ms"] > 0 and r["peak_mib"] is None and r["peak_over_start_mib"] is None
+        if measure != "train_fwd_bwd_floor":
+            assert r["rounds"] == 3 and len(r["median_ms_rounds"]) == 3 and r["iters"] == 1
     assert mod.main(["--replot", str(out)]) == 0
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_layer_train_rounds_alternate_the_implementations(monkeypatch, tmp_path):
+    """The timed calls: per round the forwards of every implementation, then the steps, the order reversed
+    from one round to the next; a row's median is the median of its rounds' medians."""
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    mod = _load("bench_layer")
+    monkeypatch.setattr(mod.torch, "compile", lambda fn, **kw: fn)
+    timed, fake_ms = [], iter([5.0, 1.0, 3.0] * 100)
+
+    def fake_timed_calls(fn, iters, device):
+        timed.append((fn.__self__.name, fn.__name__))
+        return [next(fake_ms)] * iters
+    monkeypatch.setattr(mod, "timed_calls", fake_timed_calls)
+    out = tmp_path / "run.json"
+    assert mod.main(["--device", "cpu", "--small", "--skip-decode", "--seqlen", "32", "--compile", "--iters", "2",
+                     "--rounds", "3", "--out", str(out)]) == 0
+    impls = ["mla_autograd", "mla_autograd+compile", "transformers_eager", "transformers_sdpa",
+             "transformers_sdpa+compile"]
+    expect = []
+    for r in range(3):
+        order = impls if r % 2 == 0 else impls[::-1]
+        expect += [(i, k) for k in ("fwd", "fwd_bwd") for i in order]
+    assert timed == expect
+    rows = {(r["measure"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    first = rows["train_fwd", "mla_autograd"]  # timed 1st, 15th and 21st: fake times 5, 3, 3
+    assert first["median_ms_rounds"] == [5.0, 3.0, 3.0] and first["median_ms"] == 3.0
+    assert first["min_ms"] == 3.0 and first["max_ms"] == 5.0 and first["iters"] == 2
+    with pytest.raises(SystemExit):
+        mod.main(["--device", "cpu", "--small", "--rounds", "0"])
 
 
 class _FakeEvent:
