@@ -25,7 +25,8 @@ compile, median_ms / min_ms / max_ms / iters (calls per round; the train rows ad
 peak_mib (torch.cuda.max_memory_allocated over one step: weights and inputs included) and peak_over_start_mib
 (less what was allocated when the step began: what the step itself needs); a floor row has gemm_ms,
 attention_ms, other_ms, floor_ms, device_ms (all kernels), step_ms, step_over_floor and other_top (the largest
-glue kernels: [name, us, launches] per step). Memory and profiler fields are None off CUDA.
+glue kernels: [name, us, launches] per step; gemm_top and attention_top the same for those kinds). Memory and
+profiler fields are None off CUDA.
 
 Without transformers only our rows run; a row that fails (e.g. out of memory) is recorded with its
 error and the rest go on. A GPU run is added to the results store bench/results/layer.json (bench/store.py:
@@ -134,8 +135,9 @@ def step_memory(fn, device, before=None) -> dict:
     return {"peak_mib": peak / MIB, "peak_over_start_mib": (peak - start) / MIB}
 
 
-FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", "step_over_floor", "other_top")
-OTHER_TOP = 12  # glue kernels listed in a floor row
+FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", "step_over_floor", "other_top",
+                "gemm_top", "attention_top")
+OTHER_TOP = 12  # kernels of each kind listed in a floor row
 
 
 def step_floor(fn, device, step_ms: float) -> dict:
@@ -150,9 +152,11 @@ def step_floor(fn, device, step_ms: float) -> dict:
         torch.cuda.synchronize(device)
     kernels = device_kernels(prof)
     r = kernel_split(kernels)
-    # the glue's largest kernels, by name: where the step's time above its floor goes
-    r["other_top"] = [[name[:120], round(us, 1), round(n, 1)] for us, n, name in kernels
-                      if kernel_kind(name) == "other"][:OTHER_TOP]
+    # the largest kernels of each kind, by name: the glue's are where the step's time above its floor goes; the
+    # GEMMs' and attention's show which kernels two floors (eager and compiled, say) differ by
+    for kind in ("other", "gemm", "attention"):
+        r[f"{kind}_top"] = [[name[:120], round(us, 1), round(n, 1)] for us, n, name in kernels
+                            if kernel_kind(name) == kind][:OTHER_TOP]
     r["floor_ms"] = r["gemm_ms"] + r["attention_ms"]
     r["device_ms"] = sum(us for us, _, _ in kernels) / 1e3
     r["step_over_floor"] = step_ms / r["floor_ms"] if r["floor_ms"] > 0 else None
@@ -370,8 +374,9 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                         print(f"{'':44s} floor {floor['floor_ms']:.3f} ms (GEMM {floor['gemm_ms']:.3f} + attention "
                               f"{floor['attention_ms']:.3f}; other {floor['other_ms']:.3f}), "
                               f"step/floor {floor['step_over_floor']:.2f}")
-                        for name, us, n in floor["other_top"]:
-                            print(f"{'':48s} {us:8.1f} us x{n:<4g} {name[:90]}")
+                        for kind in ("gemm", "attention", "other"):
+                            for name, us, n in floor[f"{kind}_top"]:
+                                print(f"{'':48s} {kind[:5]:5s} {us:8.1f} us x{n:<4g} {name[:90]}")
                 rows.append(floor)
     rows.extend(setup_rows)
     for layer in layers:

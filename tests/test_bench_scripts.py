@@ -367,6 +367,9 @@ def test_layer_floor_splits_a_profiled_step_by_kernel_kind(monkeypatch):
     assert r["attention_ms"] == pytest.approx(3.6) and r["gemm_ms"] == pytest.approx(4.9)
     assert r["other_ms"] == pytest.approx(0.75) and r["device_ms"] == pytest.approx(9.25)
     assert r["floor_ms"] == pytest.approx(8.5) and r["step_over_floor"] == pytest.approx(12.5 / 8.5)
+    assert [row[0][:14] for row in r["gemm_top"]] == ["nvjet_tst_256x", "sm90_xmma_gemm", "void cutlass::"]
+    assert [row[1] for row in r["attention_top"]] == [2500.0, 1000.0, 100.0]
+    assert r["other_top"] == [["triton_poi_fused__to_copy_cat_mul_0", 700.0, 4], ["Memset (Device)", 50.0, 1]]
 
 
 def test_layer_step_memory_is_the_peak_of_one_call_over_its_start(monkeypatch):
