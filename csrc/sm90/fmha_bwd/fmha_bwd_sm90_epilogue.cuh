@@ -46,11 +46,9 @@ __device__ __forceinline__ void store_dkv_tma(const MainArgs<Tr>& args, typename
   copy(r2s_v, thr_v.retile_S(dv16), thr_v.partition_D(dst_v));
   cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the TMA store's async proxy
   cutlass::arch::NamedBarrier::sync(256, kBarDsReady);
-  // the block's coordinates again (a few integer ops; a scan of cu_seqlens_k per warp on the compact varlen grid,
-  // so every consumer thread takes part): kept from before the loop they spilled
-  int n_block, hkv, b;
-  cta_coords<BN>(p, n_block, hkv, b);
   if (tidx == 0) {
+    // the block's coordinates from shared memory (kept in registers across the loop they spilled)
+    const int n_block = ss.coords[0], hkv = ss.coords[1], b = ss.coords[2];
     const Seq sq = get_seq<BM>(p, b);
     const int bcoord = p.cu_seqlens_q != nullptr ? 0 : b;
     if constexpr (Tr::kMla) {

@@ -79,6 +79,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
     }
     cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_bar, 1);
     cutlass::arch::fence_barrier_init();
+    ss.coords[0] = n_block;
+    ss.coords[1] = hkv;
+    ss.coords[2] = b;
   }
   __syncthreads();
 

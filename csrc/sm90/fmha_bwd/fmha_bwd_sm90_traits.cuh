@@ -103,6 +103,9 @@ struct Traits {
     alignas(8) uint64_t full_bar[Stages];
     alignas(8) uint64_t empty_bar[Stages];
     alignas(8) uint64_t kv_bar;
+    // this CTA's (K/V block, kv head, sequence), written once at the start for the dK/dV epilogue: on the
+    // compact varlen grid they come from a scan of cu_seqlens_k, which the epilogue need not run again
+    int coords[3];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
