@@ -10,7 +10,7 @@ left between them (launch gaps, host work). One workload per flag, all on the cu
     python tools/profile_ops.py --decode 4 32768 16      # decode(): B, S, H (page 64, bf16)
     python tools/profile_ops.py --launch-overhead        # host time per launch of the layer's small kernels
     python tools/profile_ops.py --mla-bwd-ab             # mla_attention_packed's backward in place vs concatenated
-    python tools/profile_ops.py --layer                  # nn layer train step, ours and transformers' sdpa,
+    python tools/profile_ops.py --layer [--compile]      # nn layer train step, ours and transformers' sdpa,
                                                          # with the GPU's idle gaps and what the host did
 
 For each it prints the call's median time (CUDA events, synchronized per call; for decode also replayed
@@ -512,7 +512,9 @@ def run_decode(B: int, S: int, H: int) -> None:
     flushed_timeline(f"decode B={B} S={S} H={H}, precomputed schedule", fs)
 
 
-def run_layer() -> None:
+def run_layer(compiled: bool = False) -> None:
+    """compiled: the layer calls of both sides under torch.compile (as bench_layer --compile runs them), each
+    compiled in its warmup calls, the timeline of one step printed in full for ours."""
     import bench_layer as BL
     a = argparse.Namespace(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512,
                                                   nope=128, rope=64, v=128, batch=1, seqlen=4096)
@@ -527,8 +529,11 @@ def run_layer() -> None:
         x.grad = None
         call(layer, x).backward(dy)
 
-    f = lambda: step(ours, lambda m, h: m(h))  # noqa: E731
-    print(f"layer train step, ours: {events_ms(f, iters=10):.3f} ms")
+    wrap = (lambda c: torch.compile(c, dynamic=False)) if compiled else (lambda c: c)
+    tag = " (compiled)" if compiled else ""
+    ours_call = wrap(lambda m, h: m(h))
+    f = lambda: step(ours, ours_call)  # noqa: E731
+    print(f"layer train step, ours{tag}: {events_ms(f, iters=10):.3f} ms")
     kernel_table("layer ours", f, iters=3, top=25)
     gap_timeline("layer ours", f, full=True)
     with torch.no_grad():
@@ -543,8 +548,9 @@ def run_layer() -> None:
     hf.load_state_dict(state, strict=True)
     rot = BL.DeepseekV3RotaryEmbedding(cfg).to(dev)
     pos = torch.arange(4096, device=dev)[None]
-    g = lambda: step(hf, lambda m, h: m(h, rot(h, pos), None)[0])  # noqa: E731
-    print(f"layer train step, transformers sdpa: {events_ms(g, iters=10):.3f} ms")
+    hf_call = wrap(lambda m, h: m(h, rot(h, pos), None)[0])
+    g = lambda: step(hf, hf_call)  # noqa: E731
+    print(f"layer train step, transformers sdpa{tag}: {events_ms(g, iters=10):.3f} ms")
     kernel_table("layer transformers sdpa", g, iters=3, top=25)
     gap_timeline("layer transformers sdpa", g)
 
@@ -563,6 +569,7 @@ def main(argv=None):
                     help="bench_attention's backward row beside this file's timing of it, in one process")
     ap.add_argument("--decode", nargs=3, type=int, metavar=("B", "S", "H"), action="append", default=[])
     ap.add_argument("--layer", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="--layer: both sides' layer calls under torch.compile")
     ap.add_argument("--mla-bwd-ab", action="store_true",
                     help="mla_attention_packed fwd+bwd at the layer's shape, backward in place vs concatenated, alternating")
     ap.add_argument("--launch-overhead", action="store_true",
@@ -577,7 +584,7 @@ def main(argv=None):
     for B, S, H in args.decode:
         run_decode(B, S, H)
     if args.layer:
-        run_layer()
+        run_layer(compiled=args.compile)
     if args.launch_overhead:
         launch_overhead()
     if args.mla_bwd_ab:
