@@ -11,8 +11,9 @@ Measurements, median of CUDA-event timings, each with the peak memory of one mor
    alternating rounds (--rounds, each --iters calls of every implementation in turn, the order reversed from
    one round to the next; median_ms is the median of the rounds' medians, median_ms_rounds lists them): the
    GPU's clock follows its power and temperature, and the rows compared share each round's conditions. Warmup,
-   peak memory and the floor are measured before the rounds, with each layer's weights alone on the device.
-2. the floor of our train step: one forward + backward under torch.profiler, its device time split into
+   and peak memory are measured before the rounds, with each layer's weights alone on the device.
+2. the floor of our train step: one forward + backward under torch.profiler in each round (the round with the
+   median floor is reported, floor_ms_rounds lists them all), its device time split into
    GEMMs (the projections, which any implementation of the layer pays), our attention kernels, and the rest
    (RoPE, norms, concatenations, copies). floor = GEMM + attention; step_over_floor = the step's median over
    the floor, what the glue and the gaps between kernels cost.
@@ -163,6 +164,18 @@ def step_floor(fn, device, step_ms: float) -> dict:
     return r
 
 
+def median_floor(floors: list) -> dict:
+    """The floor of the round whose floor_ms is the median of the rounds' (an error if any round's failed), with
+    floor_ms_rounds; off CUDA (no floor_ms) the first round's."""
+    bad = [f for f in floors if "error" in f]
+    if bad:
+        return bad[0]
+    if floors[0]["floor_ms"] is None:
+        return floors[0]
+    ranked = sorted(floors, key=lambda f: f["floor_ms"])
+    return {**ranked[(len(ranked) - 1) // 2], "floor_ms_rounds": [f["floor_ms"] for f in floors]}
+
+
 def failed(e: Exception) -> dict:
     return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
@@ -224,7 +237,7 @@ class TrainImpl:
         self.x, self.dy = x, dy
         self.error = {}  # kind ("fwd", "fwd_bwd") -> the failure that dropped it from the rounds
         self.rounds = {"fwd": [], "fwd_bwd": []}  # kind -> per-round lists of call times
-        self.memory, self.floor = {}, None
+        self.memory, self.floors = {}, []  # floors: one profiled step per round (ours)
 
     def clear(self):
         self.layer.zero_grad(set_to_none=True)
@@ -251,10 +264,11 @@ TRAIN_KINDS = ("fwd", "fwd_bwd")
 
 def bench_train_at(a, S, state, device, dtype, rows, backends):
     """The train rows at one length. First each implementation alone on the device (its layer's weights the only
-    ones there): warmup calls (torch.compile compiles in them), the peak memory of one step, and for ours the
-    profiled floor. Then every implementation on the device and --rounds rounds, each timing --iters calls of
-    every implementation in turn, the order reversed from one round to the next: the GPU's clock follows its
-    power and temperature, so the implementations compared share each round's conditions."""
+    ones there): warmup calls (torch.compile compiles in them) and the peak memory of one step. Then every
+    implementation on the device and --rounds rounds, each timing --iters calls of every implementation in
+    turn, the order reversed from one round to the next, and profiling one more step of ours for its floor: the
+    GPU's clock follows its power and temperature, so the implementations compared, and each step and its
+    floor, share each round's conditions."""
     B = a.batch
     torch.manual_seed(0)
     x = torch.randn(B, S, a.hidden, device=device, dtype=dtype)
@@ -319,12 +333,6 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                 except Exception as e:  # noqa: BLE001
                     im.error[kind] = failed(e)
                     print(f"S={S:<6d} train_{kind}/{im.name} FAILED {im.error[kind]['error']}")
-            if im.ours and "fwd_bwd" not in im.error:
-                try:
-                    im.clear()
-                    im.floor = step_floor(im.fwd_bwd, device, 0.0)
-                except Exception as e:  # noqa: BLE001
-                    im.floor = failed(e)
         layer.to(host)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -345,6 +353,14 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                 except Exception as e:  # noqa: BLE001
                     im.error[kind] = failed(e)
                     print(f"S={S:<6d} train_{kind}/{im.name} FAILED {im.error[kind]['error']}")
+                    continue
+                if kind == "fwd_bwd" and im.ours:
+                    # the floor in the round's conditions too: the kernels' time follows the clock as the step's does
+                    try:
+                        im.clear()
+                        im.floors.append(step_floor(im.fwd_bwd, device, 0.0))
+                    except Exception as e:  # noqa: BLE001
+                        im.floors.append(failed(e))
 
     # ---- rows ----
     for im in impls:
@@ -362,9 +378,9 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
             spread = ", ".join(f"{t:.3f}" for t in row["median_ms_rounds"])
             print(f"{what:44s} {row['median_ms']:9.3f} ms (rounds {spread}; min {row['min_ms']:.3f}){mem}")
             rows.append(row)
-            if kind == "fwd_bwd" and im.floor is not None:
+            if kind == "fwd_bwd" and im.floors:
                 floor = {"measure": "train_fwd_bwd_floor", "impl": im.name, "seqlen": S, "compile": im.compiled}
-                floor.update(im.floor)
+                floor.update(median_floor(im.floors))
                 if "error" in floor:
                     print(f"{what:44s} floor FAILED {floor['error']}")
                 else:

@@ -372,6 +372,15 @@ def test_layer_floor_splits_a_profiled_step_by_kernel_kind(monkeypatch):
     assert r["other_top"] == [["triton_poi_fused__to_copy_cat_mul_0", 700.0, 4], ["Memset (Device)", 50.0, 1]]
 
 
+def test_layer_floor_is_the_median_round_s():
+    mod = _load("bench_layer")
+    floors = [{"floor_ms": 11.0, "gemm_ms": 6.0}, {"floor_ms": 10.0, "gemm_ms": 5.5}, {"floor_ms": 12.0, "gemm_ms": 6.5}]
+    assert mod.median_floor(floors) == {"floor_ms": 11.0, "gemm_ms": 6.0, "floor_ms_rounds": [11.0, 10.0, 12.0]}
+    assert mod.median_floor(floors[:2])["floor_ms"] == 10.0  # an even count: the lower middle
+    assert mod.median_floor(floors + [{"error": "RuntimeError: x"}]) == {"error": "RuntimeError: x"}
+    assert mod.median_floor([dict.fromkeys(mod.FLOOR_FIELDS)] * 2) == dict.fromkeys(mod.FLOOR_FIELDS)  # off CUDA
+
+
 def test_layer_step_memory_is_the_peak_of_one_call_over_its_start(monkeypatch):
     mod = _load("bench_layer")
     mib = mod.MIB
