@@ -10,7 +10,7 @@ Measurements, median of CUDA-event timings, each with the peak memory of one mor
    bf16): above --eager-max-seqlen it is not run and writes no row. The implementations are timed in
    alternating rounds (--rounds, each --iters calls of every implementation in turn, the order reversed from
    one round to the next; median_ms is the median of the rounds' medians, median_ms_rounds lists them): the
-   GPU's clock follows its power and temperature, and the rows compared share each round's conditions. Warmup,
+   GPU's clock follows its power and temperature, and the rows compared share each round's conditions. Warmup
    and peak memory are measured before the rounds, with each layer's weights alone on the device.
 2. the floor of our train step: one forward + backward under torch.profiler in each round (the round with the
    median floor is reported, floor_ms_rounds lists them all), its device time split into
@@ -319,7 +319,7 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                 setup_rows.append({"measure": "train", "impl": f"transformers_{attn}", "seqlen": S, **failed(e)})
                 print(f"transformers {attn} setup FAILED: {e}")
 
-    # ---- each layer alone on the device: warmup, peak memory, floor ----
+    # ---- each layer alone on the device: warmup (compilation), peak memory ----
     layers = list(dict.fromkeys(im.layer for im in impls))
     for layer in layers:
         layer.to(device)
