@@ -43,7 +43,8 @@ With --compile, the train rows are repeated with the whole layer call under torc
 `<name>+compile` with compile=True, ours and transformers sdpa): our ops are torch.library ops with fake
 kernels, so the projections, RoPE, norms and concatenations around them fuse like any other PyTorch code.
 Compilation happens in the warmup calls and is not timed; shapes are static (dynamic=False), so each
-seqlen gets a graph of its own rather than one dynamic graph after the second length.
+seqlen gets a graph of its own rather than one dynamic graph after the second length. --compile-mode passes
+torch.compile's mode to both sides (the run's config records it).
 """
 from __future__ import annotations
 
@@ -286,7 +287,9 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
 
     def compiled(call):
         # static shapes: each seqlen its own graph, as a training run at one length would have
-        return torch.compile(call, dynamic=False)
+        if a.compile_mode == "default":
+            return torch.compile(call, dynamic=False)
+        return torch.compile(call, dynamic=False, mode=a.compile_mode)
 
     host = torch.device("cpu")
     impls, setup_rows = [], []
@@ -505,6 +508,10 @@ def main(argv=None):
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the train rows of ours and transformers sdpa under torch.compile")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune",
+                                                                   "max-autotune-no-cudagraphs"],
+                    help="torch.compile's mode for both sides' --compile rows (reduce-overhead: CUDA graphs, so "
+                         "no step waits for the host's launches)")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file (and its .png), not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     ap.add_argument("--replot", nargs="?", const="", default=None, metavar="FILE",
@@ -549,7 +556,7 @@ def main(argv=None):
         "dtype": str(dtype).replace("torch.", ""),
         "config": {k: getattr(a, k) for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope", "rope", "v",
                                               "batch", "seqlen", "eager_max_seqlen", "decode_batch", "decode_len",
-                                              "page_size", "warmup", "iters", "rounds", "compile")},
+                                              "page_size", "warmup", "iters", "rounds", "compile", "compile_mode")},
         "backends": backends,
     })
     if device.type != "cuda":

@@ -307,6 +307,12 @@ def test_layer_train_rounds_alternate_the_implementations(monkeypatch, tmp_path)
     assert first["min_ms"] == 3.0 and first["max_ms"] == 5.0 and first["iters"] == 2
     with pytest.raises(SystemExit):
         mod.main(["--device", "cpu", "--small", "--rounds", "0"])
+    compiled = []
+    monkeypatch.setattr(mod.torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    assert mod.main(["--device", "cpu", "--small", "--skip-decode", "--seqlen", "32", "--compile", "--iters", "1",
+                     "--rounds", "1", "--compile-mode", "reduce-overhead", "--out", str(out)]) == 0
+    assert compiled == [{"dynamic": False, "mode": "reduce-overhead"}] * 2  # ours and transformers sdpa
+    assert json.loads(out.read_text())["runs"][0]["config"]["compile_mode"] == "reduce-overhead"
 
 
 class _FakeEvent:
