@@ -142,9 +142,10 @@ FLOOR_FIELDS = ("gemm_ms", "attention_ms", "other_ms", "floor_ms", "device_ms", 
 OTHER_TOP = 12  # kernels of each kind listed in a floor row
 
 
-def step_floor(fn, device, step_ms: float) -> dict:
+def step_floor(fn, device, step_ms: float | None = None) -> dict:
     """Device time of one call of fn under torch.profiler, by kernel kind (common.kernel_kind), and the
-    floor GEMM + attention: what the step would take with nothing between those kernels. None off CUDA."""
+    floor GEMM + attention: what the step would take with nothing between those kernels; step_over_floor
+    from step_ms where given (the rows set it once the rounds' median is known). None off CUDA."""
     if device.type != "cuda":
         return dict.fromkeys(FLOOR_FIELDS)
     from torch.profiler import ProfilerActivity, profile
@@ -161,8 +162,17 @@ def step_floor(fn, device, step_ms: float) -> dict:
                             if kernel_kind(name) == kind][:OTHER_TOP]
     r["floor_ms"] = r["gemm_ms"] + r["attention_ms"]
     r["device_ms"] = sum(us for us, _, _ in kernels) / 1e3
-    r["step_over_floor"] = step_ms / r["floor_ms"] if r["floor_ms"] > 0 else None
+    r["step_over_floor"] = step_ms / r["floor_ms"] if step_ms is not None and r["floor_ms"] > 0 else None
     return r
+
+
+def compile_call(call, mode: str = "default"):
+    """call under torch.compile as the --compile rows run it (tools/profile_ops.py --layer --compile too): static
+    shapes, so each seqlen gets its own graph, as a training run at one length would have; mode: torch.compile's
+    (left out for "default")."""
+    if mode == "default":
+        return torch.compile(call, dynamic=False)
+    return torch.compile(call, dynamic=False, mode=mode)
 
 
 def median_floor(floors: list) -> dict:
@@ -286,10 +296,7 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
     print(f"S={S}: ours attention backend: forward {ex.forward.backend}, backward {ex.backward.backend}")
 
     def compiled(call):
-        # static shapes: each seqlen its own graph, as a training run at one length would have
-        if a.compile_mode == "default":
-            return torch.compile(call, dynamic=False)
-        return torch.compile(call, dynamic=False, mode=a.compile_mode)
+        return compile_call(call, a.compile_mode)
 
     host = torch.device("cpu")
     impls, setup_rows = [], []
@@ -361,7 +368,7 @@ def bench_train_at(a, S, state, device, dtype, rows, backends):
                     # the floor in the round's conditions too: the kernels' time follows the clock as the step's does
                     try:
                         im.clear()
-                        im.floors.append(step_floor(im.fwd_bwd, device, 0.0))
+                        im.floors.append(step_floor(im.fwd_bwd, device))
                     except Exception as e:  # noqa: BLE001
                         im.floors.append(failed(e))
 

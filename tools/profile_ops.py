@@ -513,8 +513,8 @@ def run_decode(B: int, S: int, H: int) -> None:
 
 
 def run_layer(compiled: bool = False) -> None:
-    """compiled: the layer calls of both sides under torch.compile (as bench_layer --compile runs them), each
-    compiled in its warmup calls, the timeline of one step printed in full for ours."""
+    """compiled: the layer calls of both sides under torch.compile (bench_layer.compile_call, as its --compile
+    rows run them), each compiled in its warmup calls."""
     import bench_layer as BL
     a = argparse.Namespace(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512,
                                                   nope=128, rope=64, v=128, batch=1, seqlen=4096)
@@ -529,7 +529,7 @@ def run_layer(compiled: bool = False) -> None:
         x.grad = None
         call(layer, x).backward(dy)
 
-    wrap = (lambda c: torch.compile(c, dynamic=False)) if compiled else (lambda c: c)
+    wrap = BL.compile_call if compiled else (lambda c: c)
     tag = " (compiled)" if compiled else ""
     ours_call = wrap(lambda m, h: m(h))
     f = lambda: step(ours, ours_call)  # noqa: E731
