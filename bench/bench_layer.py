@@ -616,7 +616,11 @@ def summary(rows: list, seqlens) -> None:
 
 
 def _title(run: dict) -> str:
-    return f"{run['gpu']}, torch {run['torch']}, commit {run['commit']}"
+    """The plot's title: GPU, torch, commit, and torch.compile's mode where the run's compiled rows used another
+    than the default."""
+    mode = (run.get("config") or {}).get("compile_mode", "default")
+    compiled = f", torch.compile mode {mode}" if mode not in (None, "default") else ""
+    return f"{run['gpu']}, torch {run['torch']}, commit {run['commit']}{compiled}"
 
 
 def _plot(rows: list, path, title: str) -> None:

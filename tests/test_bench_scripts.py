@@ -387,6 +387,14 @@ def test_layer_floor_is_the_median_round_s():
     assert mod.median_floor([dict.fromkeys(mod.FLOOR_FIELDS)] * 2) == dict.fromkeys(mod.FLOOR_FIELDS)  # off CUDA
 
 
+def test_layer_plot_title_names_a_compile_mode_other_than_the_default():
+    mod = _load("bench_layer")
+    run = dict(STAMP, config={"compile": True, "compile_mode": "reduce-overhead"})
+    assert mod._title(run) == "fake, torch x, commit c0ffee, torch.compile mode reduce-overhead"
+    for config in ({"compile_mode": "default"}, {}, None):  # the default, and runs from before the option
+        assert mod._title(dict(STAMP, config=config)) == "fake, torch x, commit c0ffee"
+
+
 def test_layer_step_memory_is_the_peak_of_one_call_over_its_start(monkeypatch):
     mod = _load("bench_layer")
     mib = mod.MIB
