@@ -304,14 +304,15 @@ _HOPPER = torch.cuda.get_device_capability() == (9, 0)
 
 @pytest.mark.parametrize("kernel", list(WIDE_KERNELS))
 @pytest.mark.parametrize("H,Sq,causal,page_size", [(64, 1, False, 1), (128, 1, True, 64), (24, 3, True, 16),
-                                                   (32, 4, True, 256), (128, 8, True, 64)])
+                                                   (32, 4, True, 256), (128, 8, True, 64), (64, 2, True, 8)])
 def test_decode_wide_tile(ext, kernel, H, Sq, causal, page_size):
     # 64-row tiles: on 9.0 the wgmma + TMA kernel (automatic there), the row-group kernel (automatic where it fits
     # otherwise: 64 KV tokens per step, two 4-warp groups of 32 rows that meet only at the KV stages' mbarriers)
     # and the 32-token all-warps kernel (four QK warps), on the same cases: lengths that end mid-step (17, 1000,
     # 4097: odd numbers of 32-token tiles, so the last 64-token step's second half lies past the end and is
     # zero-filled), empty requests, padding rows (24 x 3 = 72 rows), and splits (4097 tokens over several CTAs).
-    # Page size 1 is below the wgmma kernel's TMA boxes: that call falls back to the row-group kernel.
+    # Page size 1 is below the wgmma kernel's TMA boxes: that call falls back to the row-group kernel; page size 8 is
+    # the smallest it takes (eight boxes of 8 rows per 64-token block, each its own page).
     options, want = WIDE_KERNELS[kernel]
     if kernel == "wgmma" and not _HOPPER:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")

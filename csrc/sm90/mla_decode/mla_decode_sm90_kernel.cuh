@@ -213,29 +213,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
       cute::prefetch_tma_descriptor(&args.tma_kpe);
       const int* bt = p.block_table + int64_t(b) * p.bt_batch_stride;
       const int box_rows = args.box_rows;
-      const int boxes = kBN >> args.log2_box_rows;
+      const int boxes = kBN >> args.log2_box_rows;  // <= kMaxBoxes: pages of at least kMinPageSize tokens
+      constexpr int kMaxBoxes = Cfg::kBlockN / Cfg::kMinPageSize;
       const int page_mask = p.page_size - 1;
       for (int i = 0; i < n_blocks; ++i) {
         const int stage = i % kStages;
+        const int t0 = kv_begin + i * kBN;
+        // The block's page ids are read before the wait for its stage: a block-table read after it would put an
+        // L2 round trip between the consumers freeing the stage and the first TMA copy into it, every block.
+        int page[kMaxBoxes];
+        CUTE_UNROLL
+        for (int j = 0; j < kMaxBoxes; ++j) {
+          const int tok = t0 + j * box_rows;
+          page[j] = p.num_pages;  // outside the tensor: TMA writes zeros and reads nothing
+          if (j < boxes && tok < kv_end) {
+            const int id = __ldg(bt + (tok >> p.log2_page));
+            if (unsigned(id) < unsigned(p.num_pages)) page[j] = id;
+          }
+        }
         if (i >= kStages) Barrier::wait(&ss.empty[stage], uint32_t((i / kStages - 1) & 1));
         uint64_t* bar = &ss.full[stage];
         TxBarrier::arrive_and_expect_tx(bar, KT::kTileBytes);
         char* const tile = reinterpret_cast<char*>(ss.kv.data() + stage * KT::kTileElems);
-        const int t0 = kv_begin + i * kBN;
-        for (int j = 0; j < boxes; ++j) {
+        CUTE_UNROLL
+        for (int j = 0; j < kMaxBoxes; ++j) {
+          if (j >= boxes) break;
           const int tok = t0 + j * box_rows;
-          int page = p.num_pages;  // outside the tensor: TMA writes zeros and reads nothing
-          if (tok < kv_end) {
-            const int id = __ldg(bt + (tok >> p.log2_page));
-            if (unsigned(id) < unsigned(p.num_pages)) page = id;
-          }
           const int row = tok & page_mask;
           char* const dst = tile + j * box_rows * 128;
           CUTE_UNROLL
           for (int g = 0; g < mds::kDimCkv / 64; ++g)
-            SM90_TMA_LOAD_3D::copy(&args.tma_ckv, bar, args.cache_hint, dst + g * (kBN * 128), g * 64, row, page);
+            SM90_TMA_LOAD_3D::copy(&args.tma_ckv, bar, args.cache_hint, dst + g * (kBN * 128), g * 64, row, page[j]);
           SM90_TMA_LOAD_3D::copy(&args.tma_kpe, bar, args.cache_hint, dst + (mds::kDimCkv / 64) * (kBN * 128), 0, row,
-                                 page);
+                                 page[j]);
         }
       }
     }
@@ -252,19 +262,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
     const T* qn = static_cast<const T*>(p.q_nope);
     const T* qp = static_cast<const T*>(p.q_pe);
     char* const sq = reinterpret_cast<char*>(ss.q.data());
-    for (int idx = ct; idx < Cfg::kBlockM * 72; idx += 256) {
-      const int r = idx / 72, c = idx % 72;
-      const int grow = row0 + r;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (grow < rows_total) {
-        const int tq = grow / p.hq, h = grow - tq * p.hq;
-        const T* src = c < 64 ? qn + int64_t(b) * p.qn_batch_stride + int64_t(tq) * p.qn_row_stride +
-                                     int64_t(h) * p.qn_head_stride + c * 8
-                              : qp + int64_t(b) * p.qp_batch_stride + int64_t(tq) * p.qp_row_stride +
-                                     int64_t(h) * p.qp_head_stride + (c - 64) * 8;
-        v = __ldg(reinterpret_cast<const uint4*>(src));
+    // A thread's 16-byte chunks are loaded in batches of kQBatch, every load of a batch before its first store, so
+    // the tile costs two memory round trips rather than 18 (all 18 at once spill).
+    constexpr int kQChunks = Cfg::kBlockM * 72 / 256;  // per consumer thread
+    constexpr int kQBatch = kQChunks / 2;
+    static_assert(Cfg::kBlockM * 72 % 256 == 0 && kQChunks % kQBatch == 0, "the Q tile splits evenly");
+    CUTE_NO_UNROLL
+    for (int k0 = 0; k0 < kQChunks; k0 += kQBatch) {
+      uint4 v[kQBatch];
+      CUTE_UNROLL
+      for (int k = 0; k < kQBatch; ++k) {
+        const int idx = ct + (k0 + k) * 256, r = idx / 72, c = idx % 72;
+        const int grow = row0 + r;
+        v[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (grow < rows_total) {
+          const int tq = grow / p.hq, h = grow - tq * p.hq;
+          const T* src = c < 64 ? qn + int64_t(b) * p.qn_batch_stride + int64_t(tq) * p.qn_row_stride +
+                                       int64_t(h) * p.qn_head_stride + c * 8
+                                : qp + int64_t(b) * p.qp_batch_stride + int64_t(tq) * p.qp_row_stride +
+                                       int64_t(h) * p.qp_head_stride + (c - 64) * 8;
+          v[k] = __ldg(reinterpret_cast<const uint4*>(src));
+        }
       }
-      *reinterpret_cast<uint4*>(sq + tile_offset(r, c)) = v;
+      CUTE_UNROLL
+      for (int k = 0; k < kQBatch; ++k) {
+        const int idx = ct + (k0 + k) * 256;
+        *reinterpret_cast<uint4*>(sq + tile_offset(idx / 72, idx % 72)) = v[k];
+      }
     }
     cutlass::arch::fence_view_async_shared();  // generic stores, read next by wgmma
     bar_sync(kBarConsumers, 256);
