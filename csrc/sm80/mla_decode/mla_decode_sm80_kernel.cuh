@@ -344,19 +344,24 @@ struct RowLoader {
 
 // The Q tile: rows (token, head) row0 .. row0 + M_TILE - 1 of request b into sQ (swizzled, 576 dims), zero past
 // Sq * H; cp.async by NTHREADS threads (tid in [0, NTHREADS)), not committed.
+// The 16-byte chunk c (0..71: q_nope's 64 chunks, then q_pe's 8) of the query row of new token t, head h, request b.
+template <typename Elem>
+__device__ __forceinline__ const Elem* q_chunk(const DecodeParams& p, int b, int t, int h, int c) {
+  return c < 64 ? static_cast<const Elem*>(p.q_nope) + int64_t(b) * p.qn_batch_stride + int64_t(t) * p.qn_row_stride +
+                      int64_t(h) * p.qn_head_stride + c * 8
+                : static_cast<const Elem*>(p.q_pe) + int64_t(b) * p.qp_batch_stride + int64_t(t) * p.qp_row_stride +
+                      int64_t(h) * p.qp_head_stride + (c - 64) * 8;
+}
+
 template <typename Elem, int M_TILE, int NTHREADS = kThreads>
 __device__ __forceinline__ void load_q_tile(const DecodeParams& p, int b, int row0, uint32_t sQ_a, int tid) {
-  const Elem* qn = reinterpret_cast<const Elem*>(p.q_nope);
-  const Elem* qp = reinterpret_cast<const Elem*>(p.q_pe);
   const int rows_total = p.seqlen_q * p.hq;
   for (int idx = tid; idx < M_TILE * 72; idx += NTHREADS) {
     const int r = idx / 72, c = idx % 72;
     const int grow = row0 + r;
     const bool ok = grow < rows_total;
     const int t = ok ? grow / p.hq : 0, h = ok ? grow % p.hq : 0;
-    const Elem* src = c < 64 ? qn + int64_t(b) * p.qn_batch_stride + int64_t(t) * p.qn_row_stride + int64_t(h) * p.qn_head_stride + c * 8
-                             : qp + int64_t(b) * p.qp_batch_stride + int64_t(t) * p.qp_row_stride + int64_t(h) * p.qp_head_stride + (c - 64) * 8;
-    cp_async16(sQ_a + swz(r, c * 8), ok ? src : p.q_nope, ok);
+    cp_async16(sQ_a + swz(r, c * 8), ok ? q_chunk<Elem>(p, b, t, h, c) : p.q_nope, ok);
   }
 }
 

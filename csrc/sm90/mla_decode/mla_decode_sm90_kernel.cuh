@@ -259,8 +259,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
 
   // ---- Q tile: rows (token, head) row0 .. row0 + 63 of request b, zero past Sq x H ----
   {
-    const T* qn = static_cast<const T*>(p.q_nope);
-    const T* qp = static_cast<const T*>(p.q_pe);
     char* const sq = reinterpret_cast<char*>(ss.q.data());
     // A thread's 16-byte chunks are loaded in batches of kQBatch, every load of a batch before its first store, so
     // the tile costs two memory round trips rather than 18 (all 18 at once spill).
@@ -277,11 +275,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
         v[k] = make_uint4(0u, 0u, 0u, 0u);
         if (grow < rows_total) {
           const int tq = grow / p.hq, h = grow - tq * p.hq;
-          const T* src = c < 64 ? qn + int64_t(b) * p.qn_batch_stride + int64_t(tq) * p.qn_row_stride +
-                                       int64_t(h) * p.qn_head_stride + c * 8
-                                : qp + int64_t(b) * p.qp_batch_stride + int64_t(tq) * p.qp_row_stride +
-                                       int64_t(h) * p.qp_head_stride + (c - 64) * 8;
-          v[k] = __ldg(reinterpret_cast<const uint4*>(src));
+          v[k] = __ldg(reinterpret_cast<const uint4*>(mds::q_chunk<T>(p, b, tq, h, c)));
         }
       }
       CUTE_UNROLL
