@@ -8,6 +8,9 @@ struct DecodeSm90Config {
   static constexpr int kBlockM = 64;       // (token, head) rows per CTA: one wgmma M
   static constexpr int kBlockN = 64;       // cache tokens per block: the N of S = Q K^T, the K of O += P V
   static constexpr int kStages = 2;        // KV tiles in flight (Q 72 KB + 2 x 72 KB + P 8 KB: the opt-in smem)
+  static constexpr int kTileParts = 2;     // a stage's 9 column groups land on this many barriers, in order; the QK
+                                           // issues each part's k-steps as it lands (part p: groups
+                                           // [9p / kTileParts, 9(p + 1) / kTileParts))
   static constexpr int kHalfV = 256;       // output columns per PV warpgroup (64 x 256 fp32: 128 registers)
   static constexpr int kThreads = 384;     // loader warpgroup + S warpgroup + V warpgroup
   static constexpr int kLoaderRegs = 40;   // setmaxnreg: 40 + 2 x 232 <= 512 per thread slot

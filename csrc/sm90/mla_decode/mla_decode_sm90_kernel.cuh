@@ -5,13 +5,14 @@
 // workspace and merge kernel), and walks its range in blocks of 64 cache tokens:
 //
 //   WG0, one thread   the loader: each block's 64 x 576 tile by TMA, 64-column boxes of min(page, 32) rows, page
-//                     ids read from block_table as it goes, into a two-stage ring (full: TMA bytes; empty: the
-//                     eight consumer warps). A box whose tokens lie past the item's range, or whose page id is
-//                     outside the cache, is given the page coordinate num_pages: TMA fills it with zeros and
-//                     reads nothing.
-//   WG1 (S warpgroup) S = Q K^T (SS wgmma, 64 x 64 x 576), online softmax in base 2, P to shared memory for WG2
-//                     and in registers for its own O[:, 0:256] += P V[:, 0:256] (RS wgmma), issued before the next
-//                     block's QK so both are in flight while WG2 runs its half.
+//                     ids read from block_table as it goes, into a two-stage ring (full: TMA bytes, one barrier per
+//                     part of the tile's column groups; empty: the eight consumer warps). A box whose tokens lie
+//                     past the item's range, or whose page id is outside the cache, is given the page coordinate
+//                     num_pages: TMA fills it with zeros and reads nothing.
+//   WG1 (S warpgroup) S = Q K^T (SS wgmma, 64 x 64 x 576, each part of the tile's columns issued as it lands),
+//                     online softmax in base 2, P in registers for its own O[:, 0:256] += P V[:, 0:256] (RS wgmma,
+//                     issued first) and then to shared memory for WG2, before the next block's QK, so that the PVs
+//                     and that QK are in flight together.
 //   WG2 (V warpgroup) O[:, 256:512] += P V[:, 256:512] (SS wgmma, P from shared memory) after rescaling its half.
 //
 // K and V share one tile: V is the first 512 columns of K, and the 128-byte swizzled K-major layout of a
@@ -91,9 +92,10 @@ struct DecodeSm90Traits {
     cute::array_aligned<T, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<T, cute::cosize_v<SmemLayoutK>, 1024> kv;
     cute::array_aligned<T, cute::cosize_v<SmemLayoutP>, 1024> p;
-    float alpha[Cfg::kBlockM];    // the rescale factor of every row for the block whose P is in p
+    float alpha[2][Cfg::kBlockM];  // the rescale factor of every row for block i in alpha[i % 2] (written before
+                                   // P(i) is: WG2 has read alpha(i - 2) by the time P(i - 1) is published)
     float inv_l[Cfg::kBlockM];    // 1 / row sum at the end (0 for a row that saw nothing)
-    alignas(8) uint64_t full[Cfg::kStages];
+    alignas(8) uint64_t full[Cfg::kStages][Cfg::kTileParts];
     uint64_t empty[Cfg::kStages];
   };
   // + 1 KB: the dynamic region is aligned to 1024 bytes by hand (the static work-item slot comes first).
@@ -110,6 +112,11 @@ CUTE_DEVICE void bar_sync(uint32_t id, uint32_t n) { asm volatile("bar.sync %0, 
 CUTE_DEVICE void bar_arrive(uint32_t id, uint32_t n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
+
+// The column groups [part_begin(p), part_begin(p + 1)) of a tile land on its stage's barrier p.
+constexpr int kGroups = mds::kDimQK / 64;
+CUTE_HOST_DEVICE constexpr int part_begin(int p) { return kGroups * p / Cfg::kTileParts; }
+static_assert(Cfg::kTileParts >= 1 && Cfg::kTileParts <= kGroups, "tile parts");
 
 // Byte offset of (row r, 16-byte chunk c of the 576 values) in a Q / KV tile of 64 rows (see SmemLayoutQ).
 CUTE_DEVICE uint32_t tile_offset(int r, int c) {
@@ -164,6 +171,52 @@ CUTE_DEVICE auto fresh_descriptors(Tensor_ const& t) {
   return make_tensor(it, t.layout());
 }
 
+// f(Int<I>{}) for I in [I0, I1).
+template <int I0, int I1, class F>
+CUTE_DEVICE void static_for(F&& f) {
+  if constexpr (I0 < I1) {
+    f(Int<I0>{});
+    static_for<I0 + 1, I1>(f);
+  }
+}
+
+CUTE_HOST_DEVICE constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }
+
+// op over row r of a (rows, cols) register tensor, as a tree (log2(cols) dependent steps, not cols).
+template <class Tensor_, class Op>
+CUTE_DEVICE float row_reduce(Tensor_ const& t, int r, Op op) {
+  constexpr int kCols = decltype(size<1>(t))::value;
+  static_assert((kCols & (kCols - 1)) == 0, "a power of two");
+  float v[kCols];
+  CUTE_UNROLL
+  for (int j = 0; j < kCols; ++j) v[j] = t(r, j);
+  static_for<0, log2_of(kCols)>([&](auto level) {  // halves the live width each level; indices stay constants
+    constexpr int w = kCols >> (decltype(level)::value + 1);
+    CUTE_UNROLL
+    for (int j = 0; j < w; ++j) v[j] = op(v[j], v[j + w]);
+  });
+  return v[0];
+}
+
+CUTE_DEVICE void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// k-steps [K0, K1) of the QK (S = Q K^T), one commit group; zero_init on the first.
+template <int K0, int K1, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void qk_ksteps(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
+  warpgroup_fence_operand(C);
+  warpgroup_arrive();
+  tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int kb = K0; kb < K1; ++kb) {
+    cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
+    tm.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(C);
+}
+
 template <class TmaElem, class Elem>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_GRID_CONSTANT Sm90DecodeArgs const args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -198,7 +251,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      TxBarrier::init(&ss.full[s], 1);
+      for (int part = 0; part < Cfg::kTileParts; ++part) TxBarrier::init(&ss.full[s][part], 1);
       Barrier::init(&ss.empty[s], 8);  // one arrival per consumer warp
     }
   }
@@ -232,20 +285,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
           }
         }
         if (i >= kStages) Barrier::wait(&ss.empty[stage], uint32_t((i / kStages - 1) & 1));
-        uint64_t* bar = &ss.full[stage];
-        TxBarrier::arrive_and_expect_tx(bar, KT::kTileBytes);
         char* const tile = reinterpret_cast<char*>(ss.kv.data() + stage * KT::kTileElems);
+        // Part by part, in the order the QK reads them: the first k-steps can start while the rest is in flight.
         CUTE_UNROLL
-        for (int j = 0; j < kMaxBoxes; ++j) {
-          if (j >= boxes) break;
-          const int tok = t0 + j * box_rows;
-          const int row = tok & page_mask;
-          char* const dst = tile + j * box_rows * 128;
+        for (int part = 0; part < Cfg::kTileParts; ++part) {
+          uint64_t* bar = &ss.full[stage][part];
+          TxBarrier::arrive_and_expect_tx(bar, uint32_t(part_begin(part + 1) - part_begin(part)) * kBN * 128);
           CUTE_UNROLL
-          for (int g = 0; g < mds::kDimCkv / 64; ++g)
-            SM90_TMA_LOAD_3D::copy(&args.tma_ckv, bar, args.cache_hint, dst + g * (kBN * 128), g * 64, row, page[j]);
-          SM90_TMA_LOAD_3D::copy(&args.tma_kpe, bar, args.cache_hint, dst + (mds::kDimCkv / 64) * (kBN * 128), 0, row,
-                                 page[j]);
+          for (int j = 0; j < kMaxBoxes; ++j) {
+            if (j >= boxes) break;
+            const int tok = t0 + j * box_rows;
+            const int row = tok & page_mask;
+            char* const dst = tile + j * box_rows * 128;
+            CUTE_UNROLL
+            for (int g = part_begin(part); g < part_begin(part + 1); ++g) {
+              if (g < kGroups - 1)
+                SM90_TMA_LOAD_3D::copy(&args.tma_ckv, bar, args.cache_hint, dst + g * (kBN * 128), g * 64, row,
+                                       page[j]);
+              else  // the rope columns
+                SM90_TMA_LOAD_3D::copy(&args.tma_kpe, bar, args.cache_hint, dst + g * (kBN * 128), 0, row, page[j]);
+            }
+          }
         }
       }
     }
@@ -298,7 +358,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
     Tensor sK = make_tensor(make_smem_ptr(ss.kv.data()), typename KT::SmemLayoutK{});
     Tensor sV0 = make_tensor(make_smem_ptr(ss.kv.data()), typename KT::SmemLayoutVt{});
     Tensor sV1 = make_tensor(make_smem_ptr(ss.kv.data() + KT::kTileElems), typename KT::SmemLayoutVt{});
-    Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename KT::SmemLayoutP{});
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
     Tensor tSrK = thr_qk.partition_fragment_B(sK);  // (MMA, N, K, stages)
     Tensor tOrV0 = thr_pv.partition_fragment_B(sV0);
@@ -330,23 +389,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
     // Cfg::kRescaleLog2 (in log2 units), so P <= 2^kRescaleLog2 and on most blocks no row moves and O is left alone
     // (the LSE is taken from the reference: the same math).
     const float move_threshold = Cfg::kRescaleLog2 / c;
-    // The block's rows past the request's length (the end of its last page) are zeroed before any read.
-    auto wait_tile = [&](int i) {
-      TxBarrier::wait(&ss.full[i % kStages], uint32_t((i / kStages) & 1));
+    auto wait_part = [&](int i, int part) {
+      TxBarrier::wait(&ss.full[i % kStages][part], uint32_t((i / kStages) & 1));
+    };
+    // The block's rows past the request's length (the end of its last page) are zeroed before any read: that
+    // block waits for its whole tile first.
+    auto zero_tail = [&](int i) {
       const int t0 = kv_begin + i * kBN;
       if (L - t0 < kBN) {
+        for (int part = 0; part < Cfg::kTileParts; ++part) wait_part(i, part);
         zero_tile_rows(reinterpret_cast<uint8_t*>(ss.kv.data() + (i % kStages) * KT::kTileElems), L - t0, t);
         cutlass::arch::fence_view_async_shared();
         bar_sync(kBarWg1, 128);
       }
     };
-    auto issue_qk = [&](int i) {
-      mla_sm90::wg_gemm<false>(mma_qk, fresh_descriptors(tSrQ), fresh_descriptors(tSrK(_, _, _, i % kStages)), tSrS,
-                               true);
+    // QK(i), part by part: each part's k-steps are one commit group, issued once the part has landed.
+    auto issue_qk_part = [&](int i, auto part) {
+      constexpr int p = decltype(part)::value;
+      wait_part(i, p);
+      qk_ksteps<part_begin(p) * 4, part_begin(p + 1) * 4>(mma_qk, fresh_descriptors(tSrQ),
+                                                          fresh_descriptors(tSrK(_, _, _, i % kStages)), tSrS, p == 0);
     };
 
-    // Block i's scores in tSrS -> P(i) in tOrP and in smem (with alpha(i)) for WG2, O rescaled.
-    auto softmax_publish = [&](int i) {
+    // Block i's scores in tSrS -> P(i) = exp2(S c - m c) rounded in tOrP, the running row sums, alpha(i) (the rows'
+    // rescale factors), O[:, 0:256] rescaled (PV(i - 1) has completed). Row maxima and sums are trees: their
+    // dependent chains are on the path from the QK to the PV.
+    float alpha[R];
+    auto softmax = [&](int i) {
       const int t0 = kv_begin + i * kBN;
       // ---- mask: the item's end and, with causal, each row's own position ----
       if (t0 + kBN > kv_end || (p.causal && t0 + kBN - 1 > L - p.seqlen_q)) {
@@ -357,42 +426,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
             if (t0 + get<1>(cS_rc(r, j)) > lim[r]) S_rc(r, j) = -INFINITY;
       }
       // ---- online softmax in base 2 ----
-      float alpha[R];
       CUTE_UNROLL
       for (int r = 0; r < R; ++r) {
-        float mx = m_run[r];
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(S_rc); ++j) mx = fmaxf(mx, S_rc(r, j));
-        mx = mla_sm90::quad_max(mx);
-        const bool moves = mx > m_run[r] + move_threshold;  // -inf + t = -inf: a first finite max moves it
-        if (!moves) mx = m_run[r];
+        const float row_max = row_reduce(S_rc, r, [](float a, float b) { return fmaxf(a, b); });
+        const float mx_new = mla_sm90::quad_max(fmaxf(m_run[r], row_max));
+        const bool moves = mx_new > m_run[r] + move_threshold;  // -inf + t = -inf: a first finite max moves it
+        const float mx = moves ? mx_new : m_run[r];
         const float mc = mx == -INFINITY ? 0.f : mx * c;
         alpha[r] = moves ? mla_sm90::fast_exp2(m_run[r] * c - mc) : 1.f;
         m_run[r] = mx;
-        float s = 0.f;
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(S_rc); ++j) {
-          const float pj = mla_sm90::fast_exp2(fmaf(S_rc(r, j), c, -mc));
-          S_rc(r, j) = pj;
-          s += pj;
-        }
-        l_part[r] = l_part[r] * alpha[r] + s;
+        for (int j = 0; j < size<1>(S_rc); ++j) S_rc(r, j) = mla_sm90::fast_exp2(fmaf(S_rc(r, j), c, -mc));
+        l_part[r] = l_part[r] * alpha[r] + row_reduce(S_rc, r, [](float a, float b) { return a + b; });
+        if (lane % 4 == 0) ss.alpha[i % 2][get<0>(cS_rc(r, 0))] = alpha[r];
       }
       mla_sm90::convert_frag(tSrS, tOrP);
-      // ---- publish P(i) and alpha(i) to the V warpgroup, once it has read P(i - 1) ----
-      if (i > 0) bar_sync(kBarPEmpty, 256);
-      CUTE_UNROLL
-      for (int k = 0; k < size(tSrS); k += 2) {
-        const int r = get<0>(cS(k)), col = get<1>(cS(k));
-        *reinterpret_cast<uint32_t*>(&sP(r, col)) = mds::pack2<Elem>(tSrS(k), tSrS(k + 1));
-      }
-      if (lane % 4 == 0) {
-        CUTE_UNROLL
-        for (int r = 0; r < R; ++r) ss.alpha[get<0>(cS_rc(r, 0))] = alpha[r];
-      }
-      cutlass::arch::fence_view_async_shared();
-      bar_arrive(kBarPFull, 256);
-      // ---- O[:, 0:256] *= alpha (PV(i - 1) has completed), skipped by a warp none of whose rows moved ----
+      // ---- O[:, 0:256] *= alpha, skipped by a warp none of whose rows moved ----
       bool moved = false;
       CUTE_UNROLL
       for (int r = 0; r < R; ++r) moved |= alpha[r] != 1.f;
@@ -402,6 +451,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
           CUTE_UNROLL
           for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= alpha[r];
       }
+    };
+    // P(i) to the V warpgroup (alpha(i) is in smem already), once it has read P(i - 1). Word h + 2j of tOrP
+    // (elements 2h + 4j and + 1 of the accumulator layout, rounded) is row 16 warp + lane / 4 + 8h, columns
+    // 8j + 2 (lane % 4) and + 1; in the swizzled tile that is address (row0 ^ (j << 4)) + h x 1024 (row0: the
+    // thread's h = j = 0 address, whose chunk bits carry the swizzle), formed just before each store so that no
+    // address stays live across the PV.
+    const uint32_t sp = cute::cast_smem_ptr_to_uint(ss.p.data());
+    auto publish = [&](int i) {
+      if (i > 0) bar_sync(kBarPEmpty, 256);
+      static_assert(decltype(size(tSrS))::value == 2 * 2 * (Cfg::kBlockN / 8), "the 64 x kBlockN accumulator layout");
+      uint32_t row0 = sp + tile_offset(16 * (t / 32) + lane / 4, 0) + (lane % 4) * 4;
+      asm volatile("" : "+r"(row0));
+      const uint32_t* p_words = reinterpret_cast<const uint32_t*>(raw_pointer_cast(tOrP.data()));
+      CUTE_UNROLL
+      for (int j = 0; j < Cfg::kBlockN / 8; ++j)
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) st_shared_u32((row0 ^ (j << 4)) + h * 1024, p_words[h + 2 * j]);
+      cutlass::arch::fence_view_async_shared();
+      bar_arrive(kBarPFull, 256);
     };
     auto issue_pv = [&](int i) {
       if (i % kStages == 0) mla_sm90::wg_gemm<true>(mma_pv, tOrP, tOrV0, tOrO, false);
@@ -413,21 +481,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
     };
 
     if (n_blocks > 0) {
-      wait_tile(0);
-      issue_qk(0);
+      zero_tail(0);
+      static_for<0, Cfg::kTileParts>([&](auto part) { issue_qk_part(0, part); });
       warpgroup_wait<0>();
-      // steady state: PV(i) and QK(i + 1) in flight together, WG2's PV(i) beside them
+      // steady state: PV(i) and QK(i + 1) in flight together, WG2's PV(i) beside them; the stage of block i is
+      // released once PV(i) is done (after QK(i + 1)'s first part is issued), before the later parts' waits.
+      // Per block, WG1's own PV goes to the tensor cores first, then P is published for WG2: the smem stores and
+      // barriers run while PV(i) does.
       for (int i = 0; i + 1 < n_blocks; ++i) {
-        softmax_publish(i);
+        softmax(i);
         issue_pv(i);
-        wait_tile(i + 1);
-        issue_qk(i + 1);
+        publish(i);
+        zero_tail(i + 1);
+        issue_qk_part(i + 1, Int<0>{});
         warpgroup_wait<1>();
         release(i);
+        static_for<1, Cfg::kTileParts>([&](auto part) { issue_qk_part(i + 1, part); });
         warpgroup_wait<0>();
       }
-      softmax_publish(n_blocks - 1);
+      softmax(n_blocks - 1);
       issue_pv(n_blocks - 1);
+      publish(n_blocks - 1);
       warpgroup_wait<0>();
       release(n_blocks - 1);
     }
@@ -465,14 +539,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
 
     for (int i = 0; i < n_blocks; ++i) {
       const int stage = i % kStages;
-      TxBarrier::wait(&ss.full[stage], uint32_t((i / kStages) & 1));
+      for (int part = 0; part < Cfg::kTileParts; ++part)
+        TxBarrier::wait(&ss.full[stage][part], uint32_t((i / kStages) & 1));
       bar_sync(kBarPFull, 256);  // P(i), alpha(i), and the block's zeroed tail rows
       if (i > 0) {
         float a[R];
         bool moved = false;
         CUTE_UNROLL
         for (int r = 0; r < R; ++r) {
-          a[r] = ss.alpha[get<0>(cO_rc(r, 0))];
+          a[r] = ss.alpha[i % 2][get<0>(cO_rc(r, 0))];
           moved |= a[r] != 1.f;
         }
         if (__any_sync(0xffffffffu, moved)) {
