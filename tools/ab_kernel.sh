@@ -9,6 +9,13 @@
 #   Run:    FAMILY=fmha_bwd_sm90 PROFILE="--bwd 192 causal --bwd 128 causal" bash tools/ab_kernel.sh
 #   Decode: FAMILY=mla_decode_sm80 TESTS=tests/gpu/test_mla_decode_sm80.py PROFILE="--decode 128 4096 128" bash tools/ab_kernel.sh
 #           (or, for a launch option, bench/bench_decode.py --ab FIELD=VALUE,... in one process)
+#   Decode beside FlashMLA: FLASHMLA=path/to/flashmla.py (a binding of its SM90 dense decode, as bench_decode's
+#           --flashmla takes) DECODE_CASES="128,4096,128 64,8192,128,2": bench/bench_decode.py --flashmla in each
+#           round, each side in its own process with FlashMLA beside it (PEER_ROUNDS alternating rounds inside).
+#           SANITIZE=1 adds compute-sanitizer memcheck and racecheck of B on tools/sanitize_small.py
+#           (SANITIZE_ARGS, e.g. --decode-only):
+#           FAMILY=mla_decode_sm80 TESTS=tests/gpu/test_mla_decode_sm80.py FLASHMLA=$PWD/.peers/device/flashmla.py \
+#             SANITIZE=1 SANITIZE_ARGS=--decode-only ROUNDS=1 bash tools/ab_kernel.sh
 #   One build, two settings (a run-time knob such as MLA_BWD_SM90_KV_PREFETCH): no baseline files needed,
 #           SAME_BUILD=1 ENV_A="MLA_BWD_SM90_KV_PREFETCH=0" bash tools/ab_kernel.sh
 #   Beside FlashAttention-4 instead of cuDNN: FA4=1 (FA4_ARGS: --fwd or --bwd, default both;
@@ -19,7 +26,8 @@
 # TEST_T (seconds per file), ROUNDS (A/B pairs), PROFILE (tools/profile_ops.py arguments, run with --kernel-only),
 # SAME_BUILD=1 (A is B's build), ENV_A / ENV_B (VAR=value words exported for A's / B's profile runs),
 # BASELINE (the baseline files' folder), AB_WORK (A's tree and both kernel caches; default $TMPDIR/mla_ab),
-# CUTLASS_WHEEL (an nvidia-cutlass wheel file to install when the package is missing), OUT (logs; default ./ab_logs).
+# CUTLASS_WHEEL (an nvidia-cutlass wheel file to install when the package is missing), OUT (logs; default ./ab_logs),
+# FLASHMLA, DECODE_CASES, PEER_ROUNDS, SANITIZE, SANITIZE_ARGS (above).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTD="${OUT:-$PWD/ab_logs}"; mkdir -p "$OUTD"
@@ -36,6 +44,7 @@ export PYTHONPATH="$SITE:$PWD$CALLER_PATH" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBU
 [ -z "${FA4:-}" ] || export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$WORKD/fa4_cache"
 FAMILY="${FAMILY:-fmha_bwd_sm90}"
 TOOLS="$PWD/tools"
+[ -z "${FLASHMLA:-}" ] || FLASHMLA="$(realpath "$FLASHMLA")"  # the rounds run from A's tree too
 if [ -z "${SAME_BUILD:-}" ]; then
   [ -d "$BASE" ] || { echo "no $BASE/ with baseline files"; exit 1; }
   rm -rf "$WORKD/A" && mkdir -p "$WORKD/A" && cp -r mla_autograd csrc bench tests tools "$WORKD/A/" && cp -r "$BASE/." "$WORKD/A/"
@@ -51,11 +60,28 @@ for f in ${TESTS:-tests/gpu/test_fmha_bwd_sm90.py}; do
   MLA_AUTOGRAD_CACHE="$WORKD/cache_B" timeout "${TEST_T:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$OUTD/test_$(basename "$f" .py).txt" 2>&1
   echo "B $f: $(tail -1 "$OUTD/test_$(basename "$f" .py).txt")"; grep -E "^FAILED" "$OUTD/test_$(basename "$f" .py).txt" | head
 done
+if [ -n "${SANITIZE:-}" ]; then
+  for tool in memcheck racecheck; do
+    MLA_AUTOGRAD_CACHE="$WORKD/cache_B" timeout "${TEST_T:-120}" compute-sanitizer --tool "$tool" python3 tools/sanitize_small.py \
+      ${SANITIZE_ARGS:-} >"$OUTD/san_$tool.txt" 2>&1
+    echo "B $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUTD/san_$tool.txt" | tr '\n' ' ')"
+    grep -E "Race reported" "$OUTD/san_$tool.txt" | sed -E 's/.* at (void )?//; s/\(.*//' | sort | uniq -c | head -5
+  done
+fi
 for r in $(seq "${ROUNDS:-2}"); do for v in A B; do
   d=$PWD; cache="$WORKD/cache_$v"; envs="${ENV_B:-}"
   if [ "$v" = A ]; then
     envs="${ENV_A:-}"
     if [ -n "${SAME_BUILD:-}" ]; then cache="$WORKD/cache_B"; else d="$WORKD/A"; fi
+  fi
+  if [ -n "${FLASHMLA:-}" ]; then
+    cases=""; for c in ${DECODE_CASES:-128,4096,128 64,8192,128,2 8,8192,64}; do cases="$cases --case $c"; done
+    (cd "$d" && { [ -z "$envs" ] || export $envs; } && PYTHONPATH="$SITE:$d$CALLER_PATH" MLA_AUTOGRAD_CACHE="$cache" timeout 300 \
+       python3 bench/bench_decode.py --no-sdpa --no-api --flashmla "$FLASHMLA" $cases --peer-rounds "${PEER_ROUNDS:-3}" \
+       --out "$OUTD/dec_$v$r.json" >"$OUTD/dec_$v$r.txt" 2>&1)
+    echo "== $v round $r"
+    sed -n '/beside FlashMLA/,$p' "$OUTD/dec_$v$r.txt" | grep -vE '^(wrote|plot)' | tail -n +3 | cut -c1-140
+    continue
   fi
   if [ -n "${FA4:-}" ]; then
     # the baseline tree runs this tree's tools/ab_fa4.py, so that both sides time the same rows the same way
