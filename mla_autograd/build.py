@@ -108,9 +108,35 @@ def _softmax_under_pv(name: str, ins: list[str]) -> str | None:
     return None if best >= 32 else f"at most {best} MUFU.EX2 between the QK and the PV waits of the main loop"
 
 
+_BAR_ARRIVE = re.compile(r"^(@!?U?P\w+\s+)?BAR\.ARV\b")
+_HGMMA_A_IN_REGISTERS = re.compile(r"\bHGMMA\.\S+ R\d+, R\d+,")
+
+
+def _pv_before_publish(name: str, ins: list[str]) -> str | None:
+    """The Hopper decode's S warpgroup issues its own PV (an HGMMA whose A operand is in registers) between the
+    softmax's exponentials and the barrier arrival that hands P to the V warpgroup, so that the P stores and
+    barriers run under that PV (docs/kernels/mla_decode_sm90.md, "From one block's QK to the next")."""
+    if "mla_decode_sm90_kernel" not in name:
+        return None
+    last_exp2, arrivals, with_pv = None, 0, 0
+    for k, i in enumerate(ins):
+        if "MUFU.EX2" in i:
+            last_exp2 = k
+        elif _BAR_ARRIVE.match(i) and last_exp2 is not None:
+            arrivals += 1
+            with_pv += any(_HGMMA_A_IN_REGISTERS.search(j) for j in ins[last_exp2:k])
+            last_exp2 = None
+    if not arrivals:
+        return "no P hand-off (BAR.ARV) after the softmax's exponentials"
+    if with_pv == arrivals:
+        return None
+    return f"{arrivals - with_pv} of {arrivals} P hand-offs without the S warpgroup's PV issued before them"
+
+
 SASS_RULES = {
     "fmha_fwd_sm90": (_no_local_memory, _wgmma_pipelined, _softmax_under_pv),
     "fmha_bwd_sm90": (_no_local_memory, _wgmma_pipelined),
+    "mla_decode_sm80": (_no_local_memory, _wgmma_pipelined, _pv_before_publish),
 }
 
 _FUNCTION = re.compile(r"^\s*Function : (\S+)")

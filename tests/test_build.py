@@ -206,4 +206,36 @@ def test_sass_rules_catch_what_they_name():
     # the backward has no softmax rule; kernels other than the forward's main kernel are not held to it
     assert build.sass_problems("fmha_bwd_sm90", {FWD: hoisted}) == []
     assert build.sass_problems("fmha_fwd_sm90", {POST: ["EXIT"]}) == []
-    assert build.sass_problems("mla_decode_sm80", {POST: ["STL [R1], R2"]}) == []  # no rules for that family
+    assert build.sass_problems("fmha_fwd_sm100", {POST: ["STL [R1], R2"]}) == []  # no rules for that family
+
+
+DECODE90 = "_ZN15mla_decode_sm9022mla_decode_sm90_kernelIN7cutlass10bfloat16_tE13__nv_bfloat16EEvNS_14Sm90DecodeArgsE"
+DECODE80 = "_ZN15mla_decode_sm8017mla_decode_kernelI13__nv_bfloat16Li64EEEvNS_12DecodeParamsE"
+
+
+def test_decode_sass_rules_catch_what_they_name():
+    """The decode family: no local memory in any kernel; in the Hopper kernel, the S warpgroup's own PV (A from
+    registers) issued between the exponentials and each P hand-off (the shape of the real SASS: MUFU.EX2s, the
+    RS HGMMAs, then the shared stores and BAR.ARV), and P published before that PV caught."""
+    ex2 = ["MUFU.EX2 R154, R154"] * 32
+    pv_rs = ["WARPGROUP.ARRIVE", *["HGMMA.64x256x16.F32.BF16 R24, R184, gdesc[UR12].tnspB, R24"] * 3,
+             "HGMMA.64x256x16.F32.BF16 R24, R196, gdesc[UR12].tnspB, R24, gsb0"]
+    publish = ["@P1 BAR.SYNC.DEFER_BLOCKING 0x2, 0x100", *["STS [R5], R190"] * 16, "MEMBAR.ALL.CTA",
+               "BAR.ARV 0x1, 0x100"]
+    qk = ["HGMMA.64x64x16.F32.BF16 R152, gdesc[UR16], R152"] * 15 + [
+        "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR16], R152, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    wg2 = ["BAR.SYNC.DEFER_BLOCKING 0x1, 0x100", "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4].tnspB, R24, gsb0",
+           "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P1 BAR.ARV 0x2, 0x100"]
+    good = wg2 + qk + (ex2 + pv_rs + publish + qk) * 2
+    hmma = "HMMA.16816.F32.BF16 R4, R8, R12, R4"
+    assert build.sass_problems("mla_decode_sm80", {DECODE90: good, DECODE80: [hmma]}) == []
+    late_pv = wg2 + qk + (ex2 + publish + pv_rs + qk) * 2
+    (why,) = build.sass_problems("mla_decode_sm80", {DECODE90: late_pv})
+    assert "2 of 2 P hand-offs without the S warpgroup's PV issued before them" in why
+    half = wg2 + qk + ex2 + pv_rs + publish + qk + ex2 + publish + pv_rs
+    (why,) = build.sass_problems("mla_decode_sm80", {DECODE90: half})
+    assert "1 of 2 P hand-offs" in why
+    (why,) = build.sass_problems("mla_decode_sm80", {DECODE90: wg2 + qk})
+    assert "no P hand-off" in why  # no softmax at all: not the kernel the rule knows
+    (why,) = build.sass_problems("mla_decode_sm80", {DECODE80: [hmma, "STL [R1], R2"]})
+    assert "1 local-memory instructions" in why
