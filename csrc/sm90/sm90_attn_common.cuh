@@ -218,16 +218,18 @@ CUTE_HOST_DEVICE constexpr auto acc_to_A_regs(Layout const& l) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Issue one warpgroup GEMM (all K slices) as one wgmma batch; does not wait. kARegs: A comes from
-// registers (RS wgmma); its registers must stay unchanged until a warpgroup_wait covers the batch.
-template <bool kARegs, class TiledMma, class TA, class TB, class TC>
+// Issue one warpgroup GEMM (all K slices, or slices [K0, K1) when K1 >= 0) as one wgmma batch; does not wait.
+// kARegs: A comes from registers (RS wgmma); its registers must stay unchanged until a warpgroup_wait covers the
+// batch. zero_init: the first slice overwrites C.
+template <bool kARegs, int K0 = 0, int K1 = -1, class TiledMma, class TA, class TB, class TC>
 CUTE_DEVICE void wg_gemm(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
   if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(A));
   warpgroup_fence_operand(C);
   warpgroup_arrive();
   tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  const int k_end = K1 < 0 ? int(size<2>(A)) : K1;
   CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(A); ++kb) {
+  for (int kb = K0; kb < k_end; ++kb) {
     cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
     tm.accumulate_ = GMMA::ScaleOut::One;
   }

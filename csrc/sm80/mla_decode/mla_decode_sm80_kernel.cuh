@@ -342,8 +342,6 @@ struct RowLoader {
   }
 };
 
-// The Q tile: rows (token, head) row0 .. row0 + M_TILE - 1 of request b into sQ (swizzled, 576 dims), zero past
-// Sq * H; cp.async by NTHREADS threads (tid in [0, NTHREADS)), not committed.
 // The 16-byte chunk c (0..71: q_nope's 64 chunks, then q_pe's 8) of the query row of new token t, head h, request b.
 template <typename Elem>
 __device__ __forceinline__ const Elem* q_chunk(const DecodeParams& p, int b, int t, int h, int c) {
@@ -353,6 +351,8 @@ __device__ __forceinline__ const Elem* q_chunk(const DecodeParams& p, int b, int
                       int64_t(h) * p.qp_head_stride + (c - 64) * 8;
 }
 
+// The Q tile: rows (token, head) row0 .. row0 + M_TILE - 1 of request b into sQ (swizzled, 576 dims), zero past
+// Sq * H; cp.async by NTHREADS threads (tid in [0, NTHREADS)), not committed.
 template <typename Elem, int M_TILE, int NTHREADS = kThreads>
 __device__ __forceinline__ void load_q_tile(const DecodeParams& p, int b, int row0, uint32_t sQ_a, int tid) {
   const int rows_total = p.seqlen_q * p.hq;

@@ -180,8 +180,6 @@ CUTE_DEVICE void static_for(F&& f) {
   }
 }
 
-CUTE_HOST_DEVICE constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }
-
 // op over row r of a (rows, cols) register tensor, as a tree (log2(cols) dependent steps, not cols).
 template <class Tensor_, class Op>
 CUTE_DEVICE float row_reduce(Tensor_ const& t, int r, Op op) {
@@ -190,7 +188,8 @@ CUTE_DEVICE float row_reduce(Tensor_ const& t, int r, Op op) {
   float v[kCols];
   CUTE_UNROLL
   for (int j = 0; j < kCols; ++j) v[j] = t(r, j);
-  static_for<0, log2_of(kCols)>([&](auto level) {  // halves the live width each level; indices stay constants
+  // each level halves the live width; the indices stay compile-time constants
+  static_for<0, cute::log_2(unsigned(kCols))>([&](auto level) {
     constexpr int w = kCols >> (decltype(level)::value + 1);
     CUTE_UNROLL
     for (int j = 0; j < w; ++j) v[j] = op(v[j], v[j + w]);
@@ -200,21 +199,6 @@ CUTE_DEVICE float row_reduce(Tensor_ const& t, int r, Op op) {
 
 CUTE_DEVICE void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
-// k-steps [K0, K1) of the QK (S = Q K^T), one commit group; zero_init on the first.
-template <int K0, int K1, class TiledMma, class TA, class TB, class TC>
-CUTE_DEVICE void qk_ksteps(TiledMma& tm, TA const& A, TB const& B, TC& C, bool zero_init) {
-  warpgroup_fence_operand(C);
-  warpgroup_arrive();
-  tm.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int kb = K0; kb < K1; ++kb) {
-    cute::gemm(tm, A(_, _, kb), B(_, _, kb), C);
-    tm.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(C);
 }
 
 template <class TmaElem, class Elem>
@@ -407,8 +391,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_sm90_kernel(CUTE_
     auto issue_qk_part = [&](int i, auto part) {
       constexpr int p = decltype(part)::value;
       wait_part(i, p);
-      qk_ksteps<part_begin(p) * 4, part_begin(p + 1) * 4>(mma_qk, fresh_descriptors(tSrQ),
-                                                          fresh_descriptors(tSrK(_, _, _, i % kStages)), tSrS, p == 0);
+      mla_sm90::wg_gemm<false, part_begin(p) * 4, part_begin(p + 1) * 4>(
+          mma_qk, fresh_descriptors(tSrQ), fresh_descriptors(tSrK(_, _, _, i % kStages)), tSrS, p == 0);
     };
 
     // Block i's scores in tSrS -> P(i) = exp2(S c - m c) rounded in tOrP, the running row sums, alpha(i) (the rows'
