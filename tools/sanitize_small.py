@@ -154,8 +154,8 @@ def main() -> int:
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator
     # H=16: the warp-specialized kernel; H=64: the row-group 64-row kernel where it fits (sm_90), 100 tokens = one
-    # whole 64-token step and one that ends inside its first half
-    for H, Sq in ((16, 1), (64, 1)):
+    # whole 64-token step and one that ends inside its first half; H=128: two 64-row m-blocks of every request
+    for H, Sq in ((16, 1), (64, 1), (128, 1)):
         qn = torch.randn(4, Sq, H, 512, device=dev, dtype=dt, generator=g)
         qp = torch.randn(4, Sq, H, 64, device=dev, dtype=dt, generator=g)
         with torch.inference_mode():
