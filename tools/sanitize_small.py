@@ -153,8 +153,9 @@ def main() -> int:
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator
-    # H=16: the warp-specialized kernel; H=64: the row-group 64-row kernel where it fits (sm_90), 100 tokens = one
-    # whole 64-token step and one that ends inside its first half; H=128: two 64-row m-blocks of every request
+    # H=16: the warp-specialized kernel; H=64: one 64-row m-block per request (the wgmma kernel on sm_90, the row-group
+    # kernel elsewhere); H=128: two m-blocks per request. 100 tokens = one whole 64-token step and one that ends
+    # inside its first half
     for H, Sq in ((16, 1), (64, 1), (128, 1)):
         qn = torch.randn(4, Sq, H, 512, device=dev, dtype=dt, generator=g)
         qp = torch.randn(4, Sq, H, 64, device=dev, dtype=dt, generator=g)
