@@ -4,6 +4,7 @@ beside SDPA cuDNN in the same process, bf16 random normal inputs.
     python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
     python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
     ... bwd --varlen longtail [--ab compact_varlen=false]                     # a packed batch; A/B of launch options
+    ... fwd --varlen longtail [--ab longest_first=false]                      # the same for the forward
     ... [--l2-group N]                                                      # either, forced launch grouping
     ... fwd [--ctas N] [--dynamic 0|1]                                      # the forward's grid and tile assignment
 
@@ -94,10 +95,48 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
     return rows
 
 
-def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, rounds=1):
+def bench_fwd_varlen(ext, varlen, dims=((192, 128), (128, 128), (64, 64)), causal_only=False, ab=None, rounds=1,
+                     seed=0):
+    """ext.fwd on a packed batch of bench_attention.varlen_lengths(varlen, seed) sequences at H=16 (no cuDNN row),
+    and with launch options `ab` (fwd_with_options) beside it in `rounds` alternating rounds, medians per side
+    (ours_ms, ours_tflops; ours_ab_ms, ours_ab_tflops). Prints and returns the rows."""
+    import triton.testing as tt
+    from bench_attention import cu_seqlens, varlen_flops_fwd, varlen_lengths
+    lengths = varlen_lengths(varlen, seed)
+    cu, T, H, ms = cu_seqlens(lengths, DEV), sum(lengths), 16, max(lengths)
+    rows = []
+    for d, dv in dims:
+        for causal in ((True,) if causal_only else (False, True)):
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q, k, v = _rand((T, H, d), torch.bfloat16, g), _rand((T, H, d), torch.bfloat16, g), _rand((T, H, dv), torch.bfloat16, g)
+            out = torch.empty(T, H, dv, device=DEV, dtype=torch.bfloat16)
+            lse = torch.empty(H, T, device=DEV)
+            args = (q, k, v, out, lse, cu, cu, ms, ms, 1.0 / math.sqrt(d), causal, False)
+            sides = {"": lambda: ext.fwd(*args)}
+            if ab:
+                sides["_ab"] = lambda: ext.fwd_with_options(*args, ab)
+            times = {side: [] for side in sides}
+            for _ in range(rounds if ab else 1):
+                for side, fn in sides.items():
+                    times[side].append(tt.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+            flops = varlen_flops_fwd(lengths, H, d, dv, causal)
+            r = {"case": "varlen", "lengths": varlen, "seed": seed, "num_seqs": len(lengths), "tokens": T, "H": H,
+                 "d": d, "dv": dv, "causal": causal}
+            for side, ts in times.items():
+                t = sorted(ts)[len(ts) // 2]
+                r[f"ours{side}_ms"] = round(t, 4)
+                r[f"ours{side}_tflops"] = round(flops / t / 1e9, 1)
+            if ab:
+                r["ab"] = ab
+            print(f"varlen {varlen} ({len(lengths)} seqs, H={H}) d={d}/{dv} causal={causal}: {r}", flush=True)
+            rows.append(r)
+    return rows
+
+
+def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, rounds=1, seed=0):
     """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows.
     l2_group: None (bwd, the launcher's grouping) or N pairs per launch group (bwd_with_options). varlen: a
-    packed batch of bench_attention.varlen_lengths(varlen) sequences at H=16 instead (no cuDNN row). ab: launch
+    packed batch of bench_attention.varlen_lengths(varlen, seed) sequences at H=16 instead (no cuDNN row). ab: launch
     options (bwd_with_options) timed beside the default launch in `rounds` alternating rounds, medians per side
     (ours_ab_ms, ours_ab_tflops)."""
     import torch.nn.functional as F
@@ -127,7 +166,7 @@ def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, 
     lengths = cu = None
     if varlen is not None:
         from bench_attention import cu_seqlens, varlen_flops_fwd, varlen_lengths
-        lengths = varlen_lengths(varlen)
+        lengths = varlen_lengths(varlen, seed)
         cu = cu_seqlens(lengths, DEV)
     rows = []
     for (d, dv_), causal in cases:
@@ -145,7 +184,8 @@ def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, 
             seqs = (None, None, None, None)
         else:
             flops = 2.5 * varlen_flops_fwd(lengths, H, d, dv_, causal)
-            res = {"case": "varlen", "lengths": varlen, "num_seqs": len(lengths), "tokens": sum(lengths), "H": H}
+            res = {"case": "varlen", "lengths": varlen, "seed": seed, "num_seqs": len(lengths), "tokens": sum(lengths),
+                   "H": H}
             seqs = (cu, cu, max(lengths), max(lengths))
         res.update({"dqk": d, "dv": dv_, "causal": causal, "l2_group": "default" if opts is None else l2_group})
         if lengths is None:  # cuDNN: (fwd + bwd) - fwd
@@ -194,7 +234,7 @@ def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, 
 
 
 def parse_ab(text: str | None) -> dict | None:
-    """--ab "key=value,...": launch options for bwd_with_options (values: ints; true/false)."""
+    """--ab "key=value,...": launch options for fwd_with_options / bwd_with_options (values: ints; true/false)."""
     if not text:
         return None
     opts = {}
@@ -221,10 +261,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic", type=int, choices=(0, 1), default=None,
                     help="fwd: static (0) or dynamic (1) tile assignment; default: the launcher's")
     ap.add_argument("--varlen", default=None, metavar="KIND",
-                    help="bwd: a packed batch (bench_attention's lengths: longtail, uniform32, uniform1024), H=16")
+                    help="a packed batch (bench_attention's lengths: longtail, uniform32, uniform1024), H=16")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="--varlen longtail: the order of the lengths in the pack (bench_attention.varlen_lengths)")
     ap.add_argument("--ab", default=None, metavar="KEY=VALUE,...",
-                    help="bwd: time these bwd_with_options launch options beside the default, alternating rounds")
-    ap.add_argument("--rounds", type=int, default=3, help="bwd --ab: alternating rounds (default 3)")
+                    help="bwd, fwd --varlen: time these launch options (bwd_with_options / fwd_with_options) beside "
+                         "the default, alternating rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: alternating rounds (default 3)")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
     a = ap.parse_args(argv)
@@ -235,12 +278,17 @@ def main(argv=None) -> int:
         dims = [dd for dd in ((192, 128), (128, 128), (64, 64)) if not a.dims or dd[0] in a.dims]
         shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
         ext = load_family("fmha_fwd_sm90")
+        if a.varlen is not None:
+            rows = bench_fwd_varlen(ext, a.varlen, dims=dims, causal_only=a.causal_only, ab=parse_ab(a.ab),
+                                    rounds=a.rounds, seed=a.seed)
+            print(f"wrote {record('fwd-kernel', meta, rows, out=a.out, results=a.results)}")
+            return 0
         rows = [r for B, H, S in shapes
                 for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group, ctas=a.ctas,
                                    dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only)]
     else:
         rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group, varlen=a.varlen, ab=parse_ab(a.ab),
-                         rounds=a.rounds)
+                         rounds=a.rounds, seed=a.seed)
     print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")
     return 0
 

@@ -148,8 +148,12 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
         seen.append((B, H, S, tuple(dims), l2_group))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
-    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds: [
-        {"causal": causal_only, "det": det, "l2_group": l2_group, "varlen": varlen, "ab": ab, "rounds": rounds}])
+    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds, seed: [
+        {"causal": causal_only, "det": det, "l2_group": l2_group, "varlen": varlen, "ab": ab, "rounds": rounds,
+         "seed": seed}])
+    monkeypatch.setattr(mod, "bench_fwd_varlen", lambda ext, varlen, dims, causal_only, ab, rounds, seed: [
+        {"varlen": varlen, "dims": [list(d) for d in dims], "causal_only": causal_only, "ab": ab, "rounds": rounds,
+         "seed": seed}])
     assert mod.main(["fwd", "--shape", "1,2,128", "--shape", "2,4,256", "--dims", "64", "--results", str(tmp_path)]) == 0
     assert seen == [(1, 2, 128, ((64, 64),), None), (2, 4, 256, ((64, 64),), None)]
     assert len(json.loads((tmp_path / "fwd-kernel.json").read_text())["rows"]) == 2
@@ -163,6 +167,13 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
                      "--out", str(tmp_path / "ab.json")]) == 0
     (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
     assert (row["varlen"], row["ab"], row["rounds"]) == ("longtail", {"compact_varlen": False, "l2_group": 2}, 2)
+    assert row["seed"] == 0
+    # the forward on a packed batch: its own function, the same --ab / --rounds / --seed
+    assert mod.main(["fwd", "--varlen", "longtail", "--dims", "192", "--causal-only", "--ab", "longest_first=false",
+                     "--seed", "2", "--out", str(tmp_path / "fv.json")]) == 0
+    (row,) = json.loads((tmp_path / "fv.json").read_text())["rows"]
+    assert (row["varlen"], row["dims"], row["causal_only"], row["ab"], row["rounds"], row["seed"]) == (
+        "longtail", [[192, 128]], True, {"longest_first": False}, 3, 2)
     with pytest.raises(SystemExit, match="--ab: expected key=value"):
         mod.main(["bwd", "--ab", "compact_varlen"])
 

@@ -34,14 +34,16 @@ def _tensors():
 @pytest.mark.parametrize("options,match", BAD + [({"ctas": True}, r"options\['ctas'\] must be an int"),
                                                  ({"ctas": -2}, r"options\['ctas'\] must be in \[0, 2\^31\), got -2"),
                                                  ({"dynamic": 1}, r"options\['dynamic'\] must be a bool"),
-                                                 ({"wide_keys": 0}, r"options\['wide_keys'\] must be a bool")])
+                                                 ({"wide_keys": 0}, r"options\['wide_keys'\] must be a bool"),
+                                                 ({"longest_first": 1}, r"options\['longest_first'\] must be a bool")])
 def test_fwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_fwd_sm90: " + match):
         load_family("fmha_fwd_sm90").fwd_with_options(t, t, t, t, lse, None, None, 8, 8, 0.125, False, True, options)
 
 
-@pytest.mark.parametrize("options,match", BAD + [({"poison_workspace": 1}, r"options\['poison_workspace'\] must be a bool")])
+@pytest.mark.parametrize("options,match", BAD + [({"poison_workspace": 1}, r"options\['poison_workspace'\] must be a bool"),
+                                                 ({"longest_first": 0}, r"options\['longest_first'\] must be a bool")])
 def test_bwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_bwd_sm90: " + match):

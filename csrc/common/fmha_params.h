@@ -20,6 +20,9 @@ struct FmhaProblemParams {
   // nullptr when dense.
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;
+  // varlen: the order in which the kernels' schedules take the sequences, a permutation of [0, batch) written
+  // on the stream before them by mla_sm90::launch_seq_order (longest first), or nullptr: cu_seqlens order.
+  int* seq_order;
 
   int batch;                    // number of sequences
   int hq, hkv;                  // query heads, key/value heads (hq % hkv == 0; query head h reads kv head h / (hq / hkv))
@@ -32,3 +35,7 @@ struct FmhaProblemParams {
   bool bottom_right;  // ... with diag = Sk - Sq (bottom-right alignment) or 0 (top-left)
   bool is_bf16;       // element type: bfloat16, else float16
 };
+
+// The most sequences a packed batch may have for its kernels to take them longest first (FmhaProblemParams::seq_order,
+// mla_sm90::seq_order_kernel: one CTA, a thread per sequence); larger batches keep cu_seqlens order.
+constexpr int kSeqOrderMaxBatch = 256;

@@ -137,38 +137,42 @@ __device__ __forceinline__ GroupedTile grouped_tile(int id, int num_pairs, int n
 
 // ------------------------------------------------------------------------------------------------
 // The varlen block numbering over the query (kKeys false) or key (kKeys true) sequences of p: sequence after
-// sequence, sequence b holding blocks x units numbers, blocks = ceil(len / kBlock) with len from varlen_rows
-// (so it covers exactly the blocks that hold rows, as every kernel of the call sees them) and units what each
-// block is repeated for (heads, or 1). find(p, t, units, none, found) returns found(b, r, blocks) for number t:
-// its sequence b, its index r in that sequence ([0, blocks x units)) and that sequence's blocks; `none` past the
-// last number. Warp-collective (all 32 lanes, converged): a scan of 32 sequences per step, lane j loading
-// sequence chunk_b0 + j. The scan keeps its place (chunk_b0, the first sequence of a 32-aligned chunk, and
-// chunk_base, the numbers before it), so a caller whose numbers only grow resumes it (a forward CTA reads
-// cu_seqlens once over all its tiles) and a fresh one starts at sequence 0. find(p, t, units) returns
-// {b, r, blocks}, b = -1 past the last number.
+// sequence in the schedule's order (p.seq_order, longest first, or cu_seqlens order), sequence b holding
+// blocks x units numbers, blocks = ceil(len / kBlock) with len from varlen_rows (so it covers exactly the blocks
+// that hold rows, as every kernel of the call sees them) and units what each block is repeated for (heads, or 1).
+// find(p, t, units, none, found) returns found(b, r, blocks) for number t: its sequence b, its index r in that
+// sequence ([0, blocks x units)) and that sequence's blocks; `none` past the last number. Warp-collective (all 32
+// lanes, converged): a scan of 32 sequences per step, lane j taking the sequence at position chunk_k0 + j of the
+// order. The scan keeps its place (chunk_k0, the first position of a 32-aligned chunk, and chunk_base, the numbers
+// before it), so a caller whose numbers only grow resumes it (a forward CTA reads cu_seqlens once over all its
+// tiles) and a fresh one starts at position 0. find(p, t, units) returns {b, r, blocks}, b = -1 past the last number.
 struct VarlenNumber {
   int b, r, blocks;
 };
 template <int kBlock, bool kKeys>
 struct VarlenNumbering {
-  int chunk_b0 = 0;
+  int chunk_k0 = 0;
   int chunk_base = 0;
 
   template <class Result, class Found>
   CUTE_DEVICE Result find(FmhaProblemParams const& p, int t, int units, Result none, Found found) {
     int const lane = threadIdx.x % 32;
-    for (; chunk_b0 < p.batch; chunk_b0 += 32) {
-      int const b = chunk_b0 + lane;
-      int blocks = 0;  // of sequence b
-      if (b < p.batch) {
-        int64_t start;
-        int len;
-        if constexpr (kKeys) {
-          varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len);
-        } else {
-          varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len);
+    for (; chunk_k0 < p.batch; chunk_k0 += 32) {
+      int const k = chunk_k0 + lane;  // position in the order
+      int b = -1;                     // the sequence there
+      int blocks = 0;                 // of sequence b
+      if (k < p.batch) {
+        b = p.seq_order != nullptr ? p.seq_order[k] : k;
+        if (unsigned(b) < unsigned(p.batch)) {  // always, for an order written by seq_order_kernel
+          int64_t start;
+          int len;
+          if constexpr (kKeys) {
+            varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len);
+          } else {
+            varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len);
+          }
+          blocks = (len + kBlock - 1) / kBlock;
         }
-        blocks = (len + kBlock - 1) / kBlock;
       }
       int const numbers = blocks * units;  // <= batch * units * ceil(max_len / kBlock) < 2^31 (checked by the launchers)
       int incl = numbers;                  // inclusive prefix over the chunk's lanes
@@ -184,7 +188,8 @@ struct VarlenNumbering {
         int const src = __ffs(past) - 1;
         int const before = __shfl_sync(0xffffffffu, incl - numbers, src);
         int const seq_blocks = __shfl_sync(0xffffffffu, blocks, src);
-        return found(chunk_b0 + src, t - chunk_base - before, seq_blocks);
+        int const seq = __shfl_sync(0xffffffffu, b, src);
+        return found(seq, t - chunk_base - before, seq_blocks);
       }
       chunk_base += chunk_numbers;
     }
@@ -196,6 +201,51 @@ struct VarlenNumbering {
                 [](int b, int r, int blocks) { return VarlenNumber{b, r, blocks}; });
   }
 };
+
+// ------------------------------------------------------------------------------------------------
+// The order of a packed batch's sequences in the varlen schedules (FmhaProblemParams::seq_order): longest first
+// (rows len_q + len_k as varlen_rows clamps them, descending; ties by index), so that the last CTAs of a grid (the
+// backward's) or the last tiles of the dynamic schedule (the forward's) are short ones and no SM is left running
+// the longest sequence's blocks while the others idle (docs/kernels/fmha_fwd_sm90.md, "Which tiles, and who takes
+// them", has the measurements).
+// One CTA, one thread per sequence, each ranking its own against every other in shared memory: batches of up to
+// kSeqOrderMaxBatch sequences (common/fmha_params.h; the host layers leave larger ones in cu_seqlens order). The
+// result is a permutation of [0, batch) whatever cu_seqlens holds. `counter`, when given, is zeroed too (the
+// forward's dynamic tile counter, which then needs no memset of its own).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) seq_order_kernel(FmhaProblemParams const p, int* counter) {
+  __shared__ int key[kThreads];
+  int const b = int(threadIdx.x);
+  int k = -1;
+  if (b < p.batch) {
+    int64_t start;
+    int len_q, len_k;
+    varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len_q);
+    varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len_k);
+    k = len_q + len_k;
+  }
+  key[b] = k;
+  __syncthreads();
+  if (b < p.batch) {
+    int rank = 0;
+    for (int j = 0; j < p.batch; ++j) {
+      int const kj = key[j];
+      rank += (kj > k || (kj == k && j < b)) ? 1 : 0;
+    }
+    p.seq_order[rank] = b;
+  }
+  if (counter != nullptr && b == 0) *counter = 0;
+}
+
+// Writes p.seq_order (p.batch <= kSeqOrderMaxBatch, varlen) on `stream`, and zeroes *counter when not nullptr.
+inline cudaError_t launch_seq_order(FmhaProblemParams const& p, int* counter, cudaStream_t stream) {
+  if (p.seq_order == nullptr || p.batch > kSeqOrderMaxBatch || p.cu_seqlens_q == nullptr ||
+      p.cu_seqlens_k == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  seq_order_kernel<kSeqOrderMaxBatch><<<1, kSeqOrderMaxBatch, 0, stream>>>(p, counter);
+  return cudaGetLastError();
+}
 
 // ------------------------------------------------------------------------------------------------
 // SM90 wgmma accumulator layouts: ((2, 2, N/8), MMA_M, MMA_N).

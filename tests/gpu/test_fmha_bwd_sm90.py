@@ -200,10 +200,11 @@ LENS_K = [(0 if i % 13 == 2 else (i * 53) % 97 + (500 if i % 25 == 7 else 0)) fo
 def test_compact_varlen_grids(ext, dims):
     """Packed batches run on grids over the blocks that hold rows (FmhaBwdSm90Params::kv_slots for the main
     kernel, q_slots for the preprocess and postprocess; numbered by a scan of cu_seqlens): correct gradients on
-    them, under forced launch groups, and on the grids over max_seqlen x batch (options["compact_varlen"] False),
-    with dK and dV bit for bit the same on every grid (a CTA's sums do not depend on where it runs; dQ's adds
-    may come in another order). Deterministic mode, whose main grid stays over max_seqlen x batch, gives all
-    three gradients the same bits with and without the compact preprocess / postprocess grids."""
+    them (the sequences taken longest first, and in cu_seqlens order with options["longest_first"] False), under
+    forced launch groups, and on the grids over max_seqlen x batch (options["compact_varlen"] False), with dK and
+    dV bit for bit the same on every grid (a CTA's sums do not depend on where it runs; dQ's adds may come in
+    another order). Deterministic mode, whose main grid stays over max_seqlen x batch, gives all three gradients
+    the same bits with and without the compact preprocess / postprocess grids."""
     d, dv = dims
     cu_q = torch.tensor([0, *itertools.accumulate(LENS_Q)], device=DEV, dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(LENS_K)], device=DEV, dtype=torch.int32)
@@ -212,7 +213,7 @@ def test_compact_varlen_grids(ext, dims):
     for causal, br in MASKS:
         runs = {}
         for name, options in (("compact", {}), ("l2_group=1", {"l2_group": 1}), ("l2_group=0", {"l2_group": 0}),
-                              ("full", {"compact_varlen": False})):
+                              ("cu_order", {"longest_first": False}), ("full", {"compact_varlen": False})):
             runs[name] = _run_and_check(ext, q, k, v, causal=causal, bottom_right=br, options=options, **kw)
         for name, (_, dk, dv_) in runs.items():
             for what, a, b_ in (("dk", dk, runs["full"][1]), ("dv", dv_, runs["full"][2])):

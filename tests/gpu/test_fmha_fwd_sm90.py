@@ -279,14 +279,16 @@ def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
 
 
 @pytest.mark.parametrize("grid", [{"ctas": 1}, {"ctas": 5, "dynamic": False}, {"ctas": 5, "dynamic": True},
-                                  {"ctas": 1 << 30, "dynamic": False}, {}],
-                         ids=["1cta", "5static", "5dynamic", "percta", "default"])
+                                  {"ctas": 1 << 30, "dynamic": False}, {}, {"longest_first": False},
+                                  {"ctas": 5, "dynamic": True, "longest_first": False}],
+                         ids=["1cta", "5static", "5dynamic", "percta", "default", "cu_order", "5dynamic_cu_order"])
 def test_varlen_tile_list_over_many_sequences(ext, grid):
-    """Varlen tiles are numbered over the sequences' own M-blocks (no tile past a sequence's end), decoded by a
-    warp-wide scan 32 sequences at a time that each CTA resumes where it stopped. 75 sequences (three scan
-    chunks) of random lengths with runs of empty ones, one with queries but no keys, the longest in the last
-    chunk, 3 query heads over 1 K/V head, every dims pair and mask: each grid (one CTA, five static or dynamic,
-    one per tile, the default) passes the reference check and gives the default's bits."""
+    """Varlen tiles are numbered over the sequences' own M-blocks (no tile past a sequence's end), longest sequence
+    first, decoded by a warp-wide scan 32 sequences at a time that each CTA resumes where it stopped. 75 sequences
+    (three scan chunks) of random lengths with runs of empty ones, one with queries but no keys, the longest in the
+    last chunk, 3 query heads over 1 K/V head, every dims pair and mask: each grid (one CTA, five static or dynamic,
+    one per tile, the default, and the default and five dynamic CTAs in cu_seqlens order) passes the reference check
+    and gives the default's bits."""
     rng = random.Random(11)
     lq = [rng.choice([0, 0, 1, 63, 64, 65, 127, 128, 129, rng.randint(1, 400)]) for _ in range(74)] + [517]
     lk = [x if rng.random() < 0.7 else rng.randint(0, 300) for x in lq]
@@ -298,6 +300,67 @@ def test_varlen_tile_list_over_many_sequences(ext, grid):
         want = _check(ext, q, k, v, **kw)
         got = _check(ext, q, k, v, **kw, options=grid, name=f"tile list {grid} {d} {causal} {br}")
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"tile list {grid} {d} {causal} {br}"
+
+
+def _seq_order_reference(cu_q, cu_k, rows_q, rows_k, msq, msk):
+    """The longest-first order of the varlen schedules, from the lengths as every kernel reads them (varlen_rows:
+    cu clamped into [0, rows], the end at least the start, the length capped at max_seqlen): sequences by
+    len_q + len_k descending, ties by index."""
+    def lens(cu, rows, cap):
+        out = []
+        for b in range(len(cu) - 1):
+            s = min(max(cu[b], 0), rows)
+            e = min(max(cu[b + 1], s), rows)
+            out.append(min(e - s, cap))
+        return out
+    key = [a + b for a, b in zip(lens(cu_q, rows_q, msq), lens(cu_k, rows_k, msk))]
+    return sorted(range(len(key)), key=lambda b: (-key[b], b))
+
+
+def test_seq_order_longest_first(ext):
+    """The order in which the varlen schedules take a packed batch's sequences (the test-only entry seq_order,
+    the kernel both families' launchers run): longest first (len_q + len_k), ties by index, a permutation for any
+    cu_seqlens values (decreasing, negative, past the tensor, longer than max_seqlen). A wrong order costs only
+    time, which no output check sees."""
+    rng = random.Random(21)
+    cases = [([0, 5], [0, 7], 5, 7, 5, 7), ([0, 0, 0], [0, 0, 0], 0, 0, 0, 0)]
+    for batch in (2, 31, 75, 256):
+        lq = [rng.choice([0, 1, 64, 65, 300, rng.randint(0, 5000)]) for _ in range(batch)]
+        lk = [x if rng.random() < 0.7 else rng.randint(0, 5000) for x in lq]
+        cq, ck = [0], [0]
+        for a, b in zip(lq, lk):
+            cq.append(cq[-1] + a)
+            ck.append(ck[-1] + b)
+        cases.append((cq, ck, cq[-1], ck[-1], max(lq), max(lk)))
+        cases.append((cq, ck, cq[-1], ck[-1], 200, 300))  # lengths capped at max_seqlen: ties
+    bad = [rng.randint(-50, 4000) for _ in range(41)]  # neither sorted nor inside the tensor
+    cases.append((bad, list(reversed(bad)), 1000, 2000, 700, 3000))
+    for cq, ck, rq, rk, msq, msk in cases:
+        got = ext.seq_order(torch.tensor(cq, dtype=torch.int32, device=DEV),
+                            torch.tensor(ck, dtype=torch.int32, device=DEV), rq, rk, msq, msk)
+        want = _seq_order_reference(cq, ck, rq, rk, msq, msk)
+        assert got.tolist() == want, f"batch {len(cq) - 1}: {got.tolist()[:12]} != {want[:12]}"
+    with pytest.raises(RuntimeError, match="256"):
+        ext.seq_order(torch.zeros(258, dtype=torch.int32, device=DEV), torch.zeros(258, dtype=torch.int32, device=DEV),
+                      0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("batch", [256, 257])
+def test_varlen_at_the_order_cap(ext, batch):
+    """Up to kSeqOrderMaxBatch (256) sequences take the longest-first order, more keep cu_seqlens order: at 256
+    and 257 sequences of random lengths (empty ones among them), both causal alignments and no mask, the default
+    launch passes the reference check and gives the bits of the cu_seqlens order."""
+    rng = random.Random(batch)
+    lq = [rng.choice([0, 1, 17, 64, 65, 129, rng.randint(1, 300)]) for _ in range(batch)]
+    lk = [x if rng.random() < 0.8 else rng.randint(0, 300) for x in lq]
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    d, dv = 128, 128
+    q, k, v, kw = _varlen(lq, lk, 2, 1, d, dv, torch.bfloat16, g)
+    for causal, br in MASKS:
+        kw.update(scale=1 / math.sqrt(d), causal=causal, bottom_right=br)
+        want = _check(ext, q, k, v, **kw, options={"longest_first": False})
+        got = _check(ext, q, k, v, **kw, name=f"{batch} sequences {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{batch} sequences {causal} {br}"
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")

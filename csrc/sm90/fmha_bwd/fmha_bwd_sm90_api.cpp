@@ -48,7 +48,9 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
 // bwd_with_options' `options` -> FmhaBwdSm90Options; {} gives bwd's defaults. Keys:
 //   "l2_group": int >= 0, (kv head, batch) pairs per launch group of the main kernel (0: every pair interleaved);
 //   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run;
-//   "compact_varlen": bool, varlen grids over the blocks that hold rows (default) or over max_seqlen x batch.
+//   "compact_varlen": bool, varlen grids over the blocks that hold rows (default) or over max_seqlen x batch;
+//   "longest_first": bool, the compact grids take a packed batch's sequences longest first (default) or in
+//   cu_seqlens order.
 FmhaBwdSm90Options parse_options(const py::dict& options) {
   FmhaBwdSm90Options o;
   constexpr const char* fn = "fmha_bwd_sm90";
@@ -60,9 +62,11 @@ FmhaBwdSm90Options parse_options(const py::dict& options) {
       o.poison_workspace = mla::option_bool(item.second, fn, key);
     } else if (key == "compact_varlen") {
       o.compact_varlen = mla::option_bool(item.second, fn, key);
+    } else if (key == "longest_first") {
+      o.longest_first = mla::option_bool(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key,
-                "' (known: l2_group, poison_workspace, compact_varlen)");
+                "' (known: l2_group, poison_workspace, compact_varlen, longest_first)");
     }
   }
   return o;
@@ -237,12 +241,20 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   at::Tensor dpsum = at::empty({hq, scratch_rows}, fopt);
   at::Tensor dq_accum = at::empty({hq, scratch_rows, d}, fopt);
   at::Tensor dq_sem = at::empty({deterministic ? hq * (scratch_rows / BM) : 1}, q.options().dtype(at::kInt));
+  // The order in which the compact varlen grids take the sequences (longest first, FmhaProblemParams::seq_order),
+  // written by the launcher before the kernels. Deterministic mode keeps the main kernel's grid over max_seqlen x
+  // batch, where the order does not apply.
+  const bool ordered = varlen && opt.compact_varlen && opt.longest_first && !deterministic &&
+                       batch <= kSeqOrderMaxBatch;
+  at::Tensor seq_order = at::empty({ordered ? batch : 0}, q.options().dtype(at::kInt));
   // The kernels must not depend on what the workspace held before: the preprocess writes every row of lse_log2
-  // and dpsum the main kernel reads, and clears every dq_accum block and semaphore. The tests check that with
-  // options['poison_workspace'], which fills all four with 0xff bytes (NaN, -1) first.
+  // and dpsum the main kernel reads, and clears every dq_accum block and semaphore, and the order kernel writes
+  // every entry of seq_order. The tests check that with options['poison_workspace'], which fills all of it with
+  // 0xff bytes (NaN, -1) first.
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();  // q's device (guard above)
   if (opt.poison_workspace) {
-    for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem}) {
+    for (const at::Tensor* t : {&lse_log2, &dpsum, &dq_accum, &dq_sem, &seq_order}) {
+      if (t->numel() == 0) continue;
       MLA_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xff, t->nbytes(), stream),
                      "fmha_bwd_sm90: poisoning the workspace");
     }
@@ -269,6 +281,7 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   p.dpsum = dpsum.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dq_sem = dq_sem.data_ptr<int>();
+  p.seq_order = ordered ? seq_order.data_ptr<int>() : nullptr;
   p.scratch_rows = scratch_rows;
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.cu_seqlens_k = varlen ? cu_seqlens_k->data_ptr<int>() : nullptr;

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 }
 
 // ------------------------------------------------------------------------------------------------
-// Host launchers: preprocess -> main -> postprocess on `stream`; return the first launch error
+// Host launchers: [sequence order ->] preprocess -> main -> postprocess on `stream`; return the first launch error
 // (common/cuda_check.h). l2_bytes: the device's L2 size, which sizes the main kernel's launch groups.
 
 // The (rows, dim, head, batch) gmem view TMA descriptors are made from. varlen: batch extent 1, given a nonzero
@@ -250,6 +250,7 @@ cudaError_t launch_kernels(const MainArgs<Tr>& args, cudaStream_t stream) {
   const FmhaBwdSm90Params& p = args.p;
   const int grid_m = (p.seqlen_q + BM - 1) / BM;
   const dim3 grid_rows = p.q_slots > 0 ? dim3(p.q_slots, p.hq, 1) : dim3(grid_m, p.hq, p.batch);
+  if (p.seq_order != nullptr) MLA_CUDA_TRY(mla_sm90::launch_seq_order(p, nullptr, stream));  // longest first
   if (grid_m > 0) {
     fmha_bwd_sm90_preprocess<T, D, DV, BM><<<grid_rows, 256, 0, stream>>>(p);
     MLA_CUDA_TRY(cudaGetLastError());

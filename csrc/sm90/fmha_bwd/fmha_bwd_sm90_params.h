@@ -84,6 +84,9 @@ struct FmhaBwdSm90Options {
   // Varlen: the compact grids (FmhaBwdSm90Params::kv_slots, q_slots) where they have fewer CTAs; false: the
   // grids over max_seqlen x batch (for A/B runs and tests).
   bool compact_varlen = true;
+  // Packed batches of at most kSeqOrderMaxBatch sequences on the compact grids, not deterministic: the grids take
+  // the sequences longest first (FmhaProblemParams::seq_order); false: in cu_seqlens order.
+  bool longest_first = true;
 };
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu. Each launches the three

@@ -5,6 +5,8 @@
 //   fwd_with_options(..., options: dict) -> None   the same with launch options (tests and benchmarks only)
 //   fwd_mla(q_nope, q_pe, k_nope, k_pe, v, out, lse, ...) -> None   fwd's arguments with MLA's split q / k read in
 //       place (the MLA-native 192/128 forward); fwd_mla_with_options likewise
+//   seq_order(cu_seqlens_q, cu_seqlens_k, rows_q, rows_k, max_seqlen_q, max_seqlen_k) -> int32 (B,)   the order in
+//       which the varlen schedules take the sequences (tests only)
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -42,6 +44,7 @@ void check_strides(const at::Tensor& t, const char* name, int64_t skip_dim = -1)
 //   "ctas": int >= 0, CTAs of the persistent grid (0: the launcher's choice; see FmhaFwdSm90Options).
 //   "dynamic": bool, dynamic (True) or static (False) tile assignment instead of the launcher's choice.
 //   "wide_keys": bool, False: unmasked problems keep the causal tile's key block (see FmhaFwdSm90Config).
+//   "longest_first": bool, False: a packed batch's tiles in cu_seqlens order, not longest sequence first.
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
   constexpr const char* fn = "fmha_fwd_sm90";
@@ -55,8 +58,11 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
       o.scheduler = mla::option_bool(item.second, fn, key) ? 1 : 0;
     } else if (key == "wide_keys") {
       o.wide_keys = mla::option_bool(item.second, fn, key);
+    } else if (key == "longest_first") {
+      o.longest_first = mla::option_bool(item.second, fn, key);
     } else {
-      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key, "' (known: l2_group, ctas, dynamic, wide_keys)");
+      MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key,
+                "' (known: l2_group, ctas, dynamic, wide_keys, longest_first)");
     }
   }
   return o;
@@ -233,13 +239,21 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
   }
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  // The dynamic tile scheduler's counter, zeroed on the stream before the kernel.
-  at::Tensor tile_counter;
-  if (fmha_fwd_sm90_dynamic_tiles(p, opt)) {
-    tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-    p.tile_counter = tile_counter.data_ptr<int>();
-    MLA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream),
-                   "fmha_fwd_sm90: zeroing the tile counter");
+  // The dynamic tile scheduler's counter, zeroed on the stream before the kernel, and for a packed batch of at most
+  // kSeqOrderMaxBatch sequences the order its tiles take them in (longest first), which the launcher writes on the
+  // stream (mla_sm90::launch_seq_order, zeroing the counter in the same launch).
+  const bool dynamic = fmha_fwd_sm90_dynamic_tiles(p, opt);
+  const bool ordered = varlen && opt.longest_first && B <= kSeqOrderMaxBatch;
+  at::Tensor schedule_ints;  // [tile counter][sequence order]
+  if (dynamic || ordered) {
+    schedule_ints = at::empty({int64_t(dynamic) + (ordered ? B : 0)}, q.options().dtype(at::kInt));
+    int* const ints = schedule_ints.data_ptr<int>();
+    if (dynamic) p.tile_counter = ints;
+    if (ordered) p.seq_order = ints + int(dynamic);
+    if (dynamic && !ordered) {
+      MLA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream),
+                     "fmha_fwd_sm90: zeroing the tile counter");
+    }
   }
   mla::DeviceInfo const& dev = mla::device_info(q.get_device());
   if (rope != nullptr) {
@@ -289,6 +303,37 @@ void fwd_mla(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor&
                        max_seqlen_k, softmax_scale, causal, bottom_right, pybind11::dict());
 }
 
+// The order in which the varlen schedules take the sequences of cu_seqlens_q / cu_seqlens_k (int32 (B + 1,) on
+// the device) over packed tensors of rows_q / rows_k rows with max_seqlen_q / max_seqlen_k: an int32 (B,)
+// permutation, longest first (FmhaProblemParams::seq_order). Tests only; B <= kSeqOrderMaxBatch.
+at::Tensor seq_order(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t rows_q, int64_t rows_k,
+                     int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  for (const at::Tensor* t : {&cu_seqlens_q, &cu_seqlens_k}) {
+    MLA_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+              "fmha_fwd_sm90: seq_order: cu_seqlens_q / cu_seqlens_k must be contiguous int32 (B+1,) CUDA tensors");
+  }
+  MLA_CHECK(cu_seqlens_q.device() == cu_seqlens_k.device() && cu_seqlens_q.size(0) == cu_seqlens_k.size(0) &&
+                cu_seqlens_q.size(0) >= 1,
+            "fmha_fwd_sm90: seq_order: cu_seqlens_q and cu_seqlens_k must have B+1 >= 1 entries on one device");
+  const int64_t B = cu_seqlens_q.size(0) - 1;
+  MLA_CHECK(B <= kSeqOrderMaxBatch, "fmha_fwd_sm90: seq_order: at most ", kSeqOrderMaxBatch, " sequences, got ", B);
+  for (int64_t x : {rows_q, rows_k, max_seqlen_q, max_seqlen_k}) {
+    MLA_CHECK(x >= 0 && x < (int64_t(1) << 31), "fmha_fwd_sm90: seq_order: rows and max_seqlen must fit in int32");
+  }
+  c10::cuda::CUDAGuard guard(cu_seqlens_q.device());
+  at::Tensor order = at::empty({B}, cu_seqlens_q.options());
+  if (B == 0) return order;
+  FmhaProblemParams p{};
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+  p.seq_order = order.data_ptr<int>();
+  p.batch = int(B);
+  p.rows_q = int(rows_q); p.rows_k = int(rows_k);
+  p.seqlen_q = int(max_seqlen_q); p.seqlen_k = int(max_seqlen_k);
+  MLA_CUDA_CHECK(fmha_fwd_sm90_seq_order(p, at::cuda::getCurrentCUDAStream().stream()), "fmha_fwd_sm90: seq_order");
+  return order;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -301,7 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
         "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic), "
         "{'dynamic': bool} dynamic or static tile assignment, {'wide_keys': False} the causal tile's key block "
-        "without a mask too; {} is fwd",
+        "without a mask too, {'longest_first': False} varlen tiles in cu_seqlens order; {} is fwd",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),
@@ -320,4 +365,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("bottom_right"),
         pybind11::arg("options"));
+  m.def("seq_order", &seq_order,
+        "tests only: the order (int32 (B,), longest first) in which the varlen schedules take the sequences",
+        pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("rows_q"),
+        pybind11::arg("rows_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"));
 }

@@ -660,6 +660,8 @@ cudaError_t launch_fmha_fwd_sm90(FmhaFwdSm90Params const& p, typename KT::Kernel
   // persistent. opt.ctas forces a grid of that many CTAs, opt.scheduler the assignment.
   bool const dynamic = fmha_fwd_sm90_dynamic_tiles(p, opt);
   if (dynamic && p.tile_counter == nullptr) return cudaErrorInvalidValue;
+  // The order of a packed batch's sequences (longest first), and with it the dynamic counter's zero.
+  if (p.seq_order != nullptr) MLA_CUDA_TRY(launch_seq_order(p, p.tile_counter, stream));
   int const ctas = opt.ctas > 0 ? opt.ctas : dev.sm_count;
   dim3 grid(unsigned(ctas < num_tiles ? ctas : num_tiles), 1, 1);
   dim3 block(KT::kThreads, 1, 1);

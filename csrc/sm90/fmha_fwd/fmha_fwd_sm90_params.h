@@ -23,8 +23,9 @@ struct FmhaFwdSm90Params : FmhaProblemParams {
   int l2_head_group;
   int num_m_blocks;  // M-blocks per (head, batch) pair: ceil(seqlen_q / kBlockM); dense tiles = batch * hq * this
                      // (varlen: the longest sequence's, a bound)
-  // One int32, zero at launch (the host layer clears it on the stream where fmha_fwd_sm90_dynamic_tiles):
-  // the dynamic tile scheduler's count of tiles taken beyond the first gridDim.x; nullptr otherwise.
+  // One int32, zero at launch (cleared on the stream by the host layer, or with the sequence order by the
+  // launcher, where fmha_fwd_sm90_dynamic_tiles): the dynamic tile scheduler's count of tiles taken beyond the
+  // first gridDim.x; nullptr otherwise.
   int* tile_counter;
 };
 
@@ -55,6 +56,9 @@ struct FmhaFwdSm90Options {
   // Key-block width without a causal mask: true = the config's kBlockNNoMask (wider where it differs),
   // false = kBlockN, the causal tile's.
   bool wide_keys = true;
+  // Packed batches of at most kSeqOrderMaxBatch sequences: tiles numbered longest sequence first
+  // (FmhaProblemParams::seq_order); false: in cu_seqlens order. The outputs are the same bits either way.
+  bool longest_first = true;
 };
 
 // Whether a launch assigns tiles dynamically, from p.tile_counter: where the options say so, else where
@@ -79,3 +83,7 @@ cudaError_t fmha_fwd_sm90_launch_mla_192_128(FmhaFwdSm90Params const& p, FmhaFwd
                                              cudaStream_t stream);
 cudaError_t fmha_fwd_sm90_launch_64_64(FmhaFwdSm90Params const& p, FmhaFwdSm90Options const& opt,
                                        mla::DeviceInfo const& dev, cudaStream_t stream);
+
+// Writes p.seq_order, the order in which the varlen schedules take p's sequences (longest first; p.batch <=
+// kSeqOrderMaxBatch, p.cu_seqlens_q / _k set) on `stream`; the host layer's test-only entry seq_order.
+cudaError_t fmha_fwd_sm90_seq_order(FmhaProblemParams const& p, cudaStream_t stream);
