@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(kThreads) seq_order_kernel(FmhaProblemParams c
     int len_q, len_k;
     varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len_q);
     varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len_k);
-    k = len_q + len_k;
+    k = len_q + len_k;  // wraps only for a sequence of 2^31 rows or more in q and k together: then not longest
+                        // first, and still a permutation
   }
   key[b] = k;
   __syncthreads();
