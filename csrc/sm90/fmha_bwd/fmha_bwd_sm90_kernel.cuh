@@ -40,6 +40,7 @@
 #include "fmha_bwd_sm90_scheduler.cuh"
 #include "fmha_bwd_sm90_epilogue.cuh"
 #include "fmha_bwd_sm90_mainloop.cuh"
+#include "sm90/sm90_seq_order.cuh"
 
 namespace fmha_bwd_sm90 {
 

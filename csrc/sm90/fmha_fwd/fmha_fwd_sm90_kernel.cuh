@@ -43,6 +43,7 @@
 #include "sm90/fmha_fwd/fmha_fwd_sm90_params.h"
 #include "sm90/fmha_fwd/fmha_fwd_sm90_scheduler.cuh"
 #include "sm90/sm90_attn_common.cuh"
+#include "sm90/sm90_seq_order.cuh"
 
 namespace mla_sm90 {
 
