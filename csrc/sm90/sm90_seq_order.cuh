@@ -22,23 +22,22 @@ namespace mla_sm90 {
 // forward's dynamic tile counter, which then needs no memset of its own).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) seq_order_kernel(FmhaProblemParams const p, int* counter) {
-  __shared__ int key[kThreads];
+  __shared__ unsigned key[kThreads];
   int const b = int(threadIdx.x);
-  int k = -1;
+  unsigned k = 0;  // len_q + len_k < 2^32
   if (b < p.batch) {
     int64_t start;
     int len_q, len_k;
     varlen_rows(p.cu_seqlens_q, b, p.rows_q, p.seqlen_q, start, len_q);
     varlen_rows(p.cu_seqlens_k, b, p.rows_k, p.seqlen_k, start, len_k);
-    k = len_q + len_k;  // wraps only for a sequence of 2^31 rows or more in q and k together: then not longest
-                        // first, and still a permutation
+    k = unsigned(len_q) + unsigned(len_k);
   }
   key[b] = k;
   __syncthreads();
   if (b < p.batch) {
     int rank = 0;
     for (int j = 0; j < p.batch; ++j) {
-      int const kj = key[j];
+      unsigned const kj = key[j];
       rank += (kj > k || (kj == k && j < b)) ? 1 : 0;
     }
     p.seq_order[rank] = b;
