@@ -114,15 +114,19 @@ inline int compact_slots(bool varlen, bool allowed, int rows, int max_len, int b
   return slots < full ? int(slots) : 0;
 }
 
-// The launcher's fields of p for a kernel of tiles BM x BN (kv_slots, q_slots, pair_group). The main kernel
-// keeps the grid over max_seqlen x batch in deterministic mode, whose ordered dQ adds want block n-1 of every
-// sequence a whole round of the grid ahead of block n (every pair interleaved, pair_group).
+// The launcher's fields of p for a kernel of tiles BM x BN (kv_slots, q_slots, pair_group, and seq_order kept
+// only for a compact main grid). The main kernel keeps the grid over max_seqlen x batch in deterministic mode,
+// whose ordered dQ adds want block n-1 of every sequence a whole round of the grid ahead of block n (every pair
+// interleaved, pair_group).
 template <int BM, int BN>
 inline void plan_launch(FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int l2_bytes) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   p.q_slots = compact_slots(varlen, opt.compact_varlen, p.rows_q, p.seqlen_q, p.batch, BM);
   p.kv_slots = compact_slots(varlen, opt.compact_varlen && !p.deterministic, p.rows_k, p.seqlen_k, p.batch, BN);
   p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
+  // The order matters to the main kernel's compact grid alone (where the grid is over max_seqlen x batch, every
+  // sequence's blocks are launched in place): without one, no order kernel runs and every grid keeps cu_seqlens order.
+  if (p.kv_slots == 0) p.seq_order = nullptr;
 }
 
 }  // namespace fmha_bwd_sm90
