@@ -35,7 +35,9 @@ def _tensors():
                                                  ({"ctas": -2}, r"options\['ctas'\] must be in \[0, 2\^31\), got -2"),
                                                  ({"dynamic": 1}, r"options\['dynamic'\] must be a bool"),
                                                  ({"wide_keys": 0}, r"options\['wide_keys'\] must be a bool"),
-                                                 ({"longest_first": 1}, r"options\['longest_first'\] must be a bool")])
+                                                 ({"longest_first": 1}, r"options\['longest_first'\] must be a bool"),
+                                                 ({"staged_epilogue": 1},
+                                                  r"options\['staged_epilogue'\] must be a bool")])
 def test_fwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_fwd_sm90: " + match):

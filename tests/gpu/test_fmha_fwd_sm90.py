@@ -278,6 +278,29 @@ def test_persistent_grid_is_bit_identical(ext, ctas, dynamic):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"ctas {ctas} varlen {d} {causal} {br}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_staged_epilogue_matches_register_stores(ext, dtype):
+    """O leaves through the consumer warps' staging rows in smem (the default) or by 4-byte stores straight from
+    the accumulator layout (options["staged_epilogue"] False): the same bits, both dtypes, every dims pair and
+    mask, dense (Sq = 205: the last tile's rows end inside a warp's 16) and varlen sequences that end inside a
+    warp's rows; both pass the reference check on NaN-poisoned outputs."""
+    g = torch.Generator(device=DEV).manual_seed(21)
+    for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+        scale = 1 / math.sqrt(d)
+        q = _rand((2, 205, 4, d), dtype, g)
+        k = _rand((2, 150, 2, d), dtype, g)
+        v = _rand((2, 150, 2, dv), dtype, g)
+        kw = dict(scale=scale, causal=causal, bottom_right=br)
+        want = _check(ext, q, k, v, **kw, options={"staged_epilogue": False}, name=f"registers {d} {causal} {br}")
+        got = _check(ext, q, k, v, **kw, name=f"staged {d} {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"dense {d} {causal} {br}"
+        q, k, v, vkw = _varlen([1, 15, 17, 0, 130, 64, 191], [9, 15, 300, 4, 130, 1, 191], 2, 1, d, dv, dtype, g)
+        vkw.update(kw)
+        want = _check(ext, q, k, v, **vkw, options={"staged_epilogue": False}, name=f"registers varlen {d} {causal}")
+        got = _check(ext, q, k, v, **vkw, name=f"staged varlen {d} {causal} {br}")
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"varlen {d} {causal} {br}"
+
+
 @pytest.mark.parametrize("grid", [{"ctas": 1}, {"ctas": 5, "dynamic": False}, {"ctas": 5, "dynamic": True},
                                   {"ctas": 1 << 30, "dynamic": False}, {}, {"longest_first": False},
                                   {"ctas": 5, "dynamic": True, "longest_first": False}],

@@ -45,6 +45,7 @@ void check_strides(const at::Tensor& t, const char* name, int64_t skip_dim = -1)
 //   "dynamic": bool, dynamic (True) or static (False) tile assignment instead of the launcher's choice.
 //   "wide_keys": bool, False: unmasked problems keep the causal tile's key block (see FmhaFwdSm90Config).
 //   "longest_first": bool, False: a packed batch's tiles in cu_seqlens order, not longest sequence first.
+//   "staged_epilogue": bool, False: O stored straight from the accumulator layout, not through smem staging rows.
 FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
   FmhaFwdSm90Options o;
   constexpr const char* fn = "fmha_fwd_sm90";
@@ -60,9 +61,11 @@ FmhaFwdSm90Options parse_options(const pybind11::dict& options) {
       o.wide_keys = mla::option_bool(item.second, fn, key);
     } else if (key == "longest_first") {
       o.longest_first = mla::option_bool(item.second, fn, key);
+    } else if (key == "staged_epilogue") {
+      o.staged_epilogue = mla::option_bool(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_fwd_sm90: unknown option '", key,
-                "' (known: l2_group, ctas, dynamic, wide_keys, longest_first)");
+                "' (known: l2_group, ctas, dynamic, wide_keys, longest_first, staged_epilogue)");
     }
   }
   return o;
@@ -346,7 +349,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (head, batch) "
         "pairs per L2 launch group (0: all interleaved), {'ctas': N} a persistent grid of N CTAs (0: automatic), "
         "{'dynamic': bool} dynamic or static tile assignment, {'wide_keys': False} the causal tile's key block "
-        "without a mask too, {'longest_first': False} varlen tiles in cu_seqlens order; {} is fwd",
+        "without a mask too, {'longest_first': False} varlen tiles in cu_seqlens order, {'staged_epilogue': False} O "
+        "stored straight from the accumulator layout; {} is fwd",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"),
         pybind11::arg("max_seqlen_k"), pybind11::arg("softmax_scale"), pybind11::arg("causal"),

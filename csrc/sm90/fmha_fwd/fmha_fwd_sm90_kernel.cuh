@@ -9,8 +9,9 @@
 //             P converted in registers, O += P V (RS wgmma, V read MN-major from smem).
 //             Intra-warpgroup overlap: QK of block j and PV of block j-1 are issued back to back;
 //             the softmax of block j runs while PV(j-1) is in flight.
-//   Epilogue: O and LSE written from registers with row predicates (no TMA store: varlen tiles may
-//             cross a sequence end; the caller provides no padding).
+//   Epilogue: O through per-warp staging rows in smem (stmatrix in, 16-byte chunks out), LSE from
+//             registers, both with row predicates (no TMA store: varlen tiles may cross a sequence end; the
+//             caller provides no padding).
 // Persistent: one CTA per SM runs tile after tile; its K/V ring and Q barrier carry over from tile to tile,
 // so the loader fetches the next tile's Q and first K/V blocks while the consumers finish this tile's last
 // blocks and its epilogue (a tile's fixed cost: fill, drain, epilogue, CTA start). Which tiles, in which
@@ -116,6 +117,9 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
+    // The epilogue's staging rows: 64 columns of O per pass, each consumer warp its own 16 rows (128 B each,
+    // 16-byte chunks swizzled by row), so a warp stages and stores its rows with no barrier but __syncwarp.
+    cute::array_aligned<Element, kBM * 64, 128> o_stage;
     alignas(16) uint64_t bar_q;
     uint64_t empty_q;  // the consumers' last QK of a tile has read Q: the next tile's Q may be loaded
     // The scheduler warp hands each tile's coordinates to the loader and the consumers through a two-slot
@@ -580,21 +584,62 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
         for (int j = 0; j < size<1>(O_rc); ++j) O_rc(r, j) *= inv;
       }
 
-      // ---- epilogue: predicated stores from registers ----
+      // ---- epilogue: O through smem staging rows, LSE from registers, both with row predicates ----
       int const rows_left = tile.si.seqlen_q - row0;
       int const b_dense = varlen ? 0 : tile.b;
       Element* o_tile = static_cast<Element*>(p.o) + (tile.si.offset_q + int64_t(row0)) * p.o_row_stride +
                         int64_t(tile.h) * p.o_head_stride + int64_t(b_dense) * p.o_batch_stride;
       Tensor rO = make_tensor<Element>(tOrO.layout());
       convert_frag(tOrO, rO);
-      Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
-      CUTE_UNROLL
-      for (int i = 0; i < size(rO); i += 2) {
-        int r = get<0>(cO(i));
-        int col = get<1>(cO(i));
-        if (r < rows_left) {
-          *reinterpret_cast<uint32_t*>(o_tile + int64_t(r) * p.o_row_stride + col) =
-              *reinterpret_cast<uint32_t const*>(&rO(i));
+      if (p.staged_epilogue == 1) {
+        // O leaves each consumer warp through its own staging rows in smem, 64 columns per pass: in by stmatrix
+        // (a thread's 4 consecutive 32-bit pairs of a 16-column block, rows q / q + 8 of the low then the high 8
+        // columns, are its parts of that block's four 8x8 matrices), back as 16-byte chunks, out as whole 128-byte
+        // row segments (8 lanes per row) under the row predicate (docs/kernels/fmha_fwd_sm90.md, Epilogue).
+        static_assert(KT::kDv % 64 == 0, "the staged epilogue takes O 64 columns at a time");
+        int const warp_row0 = (warp_idx - 4) * 16;  // consumer warp w (warps 4..) holds rows 16 (w - 4) ..
+        uint32_t const* rO32 = reinterpret_cast<uint32_t const*>(rO.data());
+        char* stage_rows = reinterpret_cast<char*>(ss.o_stage.data()) + warp_row0 * 128;
+        uint32_t const stage_s = uint32_t(__cvta_generic_to_shared(stage_rows));
+        // stmatrix: lanes 8m..8m+7 address the rows of matrix m (rows 0-7 / 8-15 of the block, its low / high 8
+        // columns). 16-byte chunk c of row r sits at chunk c ^ (r % 8), so that neither a matrix's 8 rows nor a
+        // row's 8 chunks share banks. The __syncwarp between the stmatrix and the reads orders them.
+        int const m = lane / 8;
+        int const st_row = (m & 1) * 8 + lane % 8;
+        CUTE_UNROLL
+        for (int pass = 0; pass < KT::kDv / 64; ++pass) {
+          __syncwarp();  // the previous pass's reads are done
+          CUTE_UNROLL
+          for (int c = 0; c < 4; ++c) {
+            int const cb = pass * 4 + c;
+            int const chunk = c * 2 + (m >> 1);
+            uint32_t const addr = stage_s + st_row * 128 + ((chunk ^ (st_row & 7)) << 4);
+            asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                         "r"(rO32[4 * cb]), "r"(rO32[4 * cb + 1]), "r"(rO32[4 * cb + 2]), "r"(rO32[4 * cb + 3]));
+          }
+          __syncwarp();
+          CUTE_UNROLL
+          for (int k = 0; k < 4; ++k) {
+            int const idx = lane + 32 * k;
+            int const rr = idx / 8, chunk = idx % 8;
+            uint4 const v = *reinterpret_cast<uint4 const*>(stage_rows + rr * 128 + ((chunk ^ (rr & 7)) << 4));
+            if (warp_row0 + rr < rows_left) {
+              *reinterpret_cast<uint4*>(o_tile + int64_t(warp_row0 + rr) * p.o_row_stride + pass * 64 + chunk * 8) = v;
+            }
+          }
+        }
+      } else if (p.staged_epilogue == 0) {
+        // From the accumulator layout (fwd_with_options' staged_epilogue False, the other side of the A/B that chose
+        // the staged one): a 4-byte store per column pair, each warp instruction 8 rows in 16-byte pieces.
+        Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
+        CUTE_UNROLL
+        for (int i = 0; i < size(rO); i += 2) {
+          int r = get<0>(cO(i));
+          int col = get<1>(cO(i));
+          if (r < rows_left) {
+            *reinterpret_cast<uint32_t*>(o_tile + int64_t(r) * p.o_row_stride + col) =
+                *reinterpret_cast<uint32_t const*>(&rO(i));
+          }
         }
       }
       if (lane % 4 == 0) {
@@ -652,6 +697,7 @@ cudaError_t launch_fmha_fwd_sm90(FmhaFwdSm90Params const& p, typename KT::Kernel
   int const num_tiles = num_hb * num_m;
   kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group, dev.l2_bytes);
   kp.p.num_m_blocks = num_m;
+  kp.p.staged_epilogue = opt.staged_epilogue ? 1 : 0;
   // A persistent grid, one CTA per SM (one fits: the shared storage takes most of an SM). Unmasked dense
   // tiles all cost the same and are assigned statically (CTA c: c, c + gridDim.x, ...). Causal tiles cost 1
   // to num_m key blocks and varlen ones up to the longest sequence's: they are assigned dynamically

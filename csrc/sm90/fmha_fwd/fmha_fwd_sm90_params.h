@@ -27,6 +27,9 @@ struct FmhaFwdSm90Params : FmhaProblemParams {
   // launcher, where fmha_fwd_sm90_dynamic_tiles): the dynamic tile scheduler's count of tiles taken beyond the
   // first gridDim.x; nullptr otherwise.
   int* tile_counter;
+  // Set by the launcher from FmhaFwdSm90Options::staged_epilogue: 1, O leaves through the consumer warps' staging
+  // rows in smem; 0, by 4-byte stores from the accumulator layout (the launcher sets no other value).
+  int staged_epilogue;
 };
 
 // The rope parts of the MLA-native forward (fmha_fwd_sm90_launch_mla_192_128), which reads MLA's split query and
@@ -59,6 +62,9 @@ struct FmhaFwdSm90Options {
   // Packed batches of at most kSeqOrderMaxBatch sequences: tiles numbered longest sequence first
   // (FmhaProblemParams::seq_order); false: in cu_seqlens order. The outputs are the same bits either way.
   bool longest_first = true;
+  // O through the consumer warps' staging rows in smem (true), or by 4-byte stores straight from the accumulator
+  // layout (false, the epilogue the staged one was measured against). The same bits either way.
+  bool staged_epilogue = true;
 };
 
 // Whether a launch assigns tiles dynamically, from p.tile_counter: where the options say so, else where
