@@ -7,6 +7,7 @@ beside SDPA cuDNN in the same process, bf16 random normal inputs.
     ... fwd --varlen longtail [--ab longest_first=false]                      # the same for the forward
     ... [--l2-group N]                                                      # either, forced launch grouping
     ... fwd [--ctas N] [--dynamic 0|1]                                      # the forward's grid and tile assignment
+    ... fwd --shape 16,16,1024 --ab ctas=1073741824,dynamic=false           # an A/B of launch options, dense rows
 
 fwd: median times by triton's do_bench (50 ms warm-up, 300 ms), ours through ext.fwd, cuDNN through SDPA;
 FLOPs 2*B*H*S*S*(Dqk+Dv) (halved when causal).
@@ -51,11 +52,12 @@ def _options(l2_group, ctas=None, dynamic=None):
 
 
 def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64)), l2_group=None, ctas=None,
-              dynamic=None, causal_only=False):
+              dynamic=None, causal_only=False, ab=None, rounds=1):
     """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows.
     l2_group: None (fwd, the launcher's grouping) or N pairs per L2 launch group (fwd_with_options); ctas: None
     (the launcher's grid) or a grid of N CTAs (fwd_with_options; more than the tiles: one CTA per tile); dynamic:
-    None (the launcher's tile assignment) or True / False (dynamic / static)."""
+    None (the launcher's tile assignment) or True / False (dynamic / static). ab: launch options timed beside
+    that launch in `rounds` alternating rounds, medians per side (ours_ab_ms, ours_ab_tfs)."""
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     ext = ext or load_family("fmha_fwd_sm90")
@@ -71,8 +73,14 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
             scale = 1.0 / math.sqrt(d)
             args = (q, k, v, out, lse, None, None, None, None, scale, causal, True)
             opts = _options(l2_group, ctas, dynamic)
-            fn = (lambda: ext.fwd(*args)) if opts is None else (lambda: ext.fwd_with_options(*args, opts))  # noqa: E731
-            t_ours = tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            sides = {"": (lambda: ext.fwd(*args)) if opts is None else (lambda: ext.fwd_with_options(*args, opts))}
+            if ab:
+                sides["_ab"] = lambda: ext.fwd_with_options(*args, {**(opts or {}), **ab})
+            times = {side: [] for side in sides}
+            for _ in range(rounds if ab else 1):
+                for side, fn in sides.items():
+                    times[side].append(tt.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+            t_ours = sorted(times[""])[len(times[""]) // 2]
             flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             t_cudnn = float("nan")
@@ -88,10 +96,14 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
                      ctas="default" if ctas is None else ctas, dynamic="default" if dynamic is None else dynamic,
                      ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
                      cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
+            if ab:
+                t_ab = sorted(times["_ab"])[len(times["_ab"]) // 2]
+                r.update(ours_ab_ms=t_ab, ours_ab_tfs=flops / t_ab / 1e9, ab=ab)
             rows.append(r)
             print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
                   f"({t_ours:.3f} ms), cuDNN {r['cudnn_tfs']:.0f} TF/s ({t_cudnn:.3f} ms), "
-                  f"ratio {r['ours_tfs'] / r['cudnn_tfs']:.3f}", flush=True)
+                  f"ratio {r['ours_tfs'] / r['cudnn_tfs']:.3f}"
+                  + (f"; with {ab}: {r['ours_ab_tfs']:.0f} TF/s" if ab else ""), flush=True)
     return rows
 
 
@@ -265,8 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0,
                     help="--varlen longtail: the order of the lengths in the pack (bench_attention.varlen_lengths)")
     ap.add_argument("--ab", default=None, metavar="KEY=VALUE,...",
-                    help="bwd, fwd --varlen: time these launch options (bwd_with_options / fwd_with_options) beside "
-                         "the default, alternating rounds")
+                    help="time these launch options (bwd_with_options / fwd_with_options) beside the default "
+                         "launch (fwd: the one the other options give), alternating rounds")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: alternating rounds (default 3)")
     ap.add_argument("--out", default=None, help="write this run alone to this JSON file, not to the store")
     ap.add_argument("--results", default=None, help="the results store's folder (default bench/results)")
@@ -285,7 +297,8 @@ def main(argv=None) -> int:
             return 0
         rows = [r for B, H, S in shapes
                 for r in bench_fwd(ext, B=B, H=H, S=S, dims=dims, l2_group=a.l2_group, ctas=a.ctas,
-                                   dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only)]
+                                   dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only,
+                                   ab=parse_ab(a.ab), rounds=a.rounds)]
     else:
         rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group, varlen=a.varlen, ab=parse_ab(a.ab),
                          rounds=a.rounds, seed=a.seed)

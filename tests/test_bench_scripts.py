@@ -142,10 +142,11 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(mod, "stamp", lambda: dict(STAMP))
     monkeypatch.setattr(mod, "load_family", lambda name: None)
-    seen = []
+    seen, seen_ab = [], []
 
-    def fake_fwd(ext, B, H, S, dims, l2_group, ctas=None, dynamic=None, causal_only=False):
+    def fake_fwd(ext, B, H, S, dims, l2_group, ctas=None, dynamic=None, causal_only=False, ab=None, rounds=1):
         seen.append((B, H, S, tuple(dims), l2_group))
+        seen_ab.append((ctas, dynamic, ab, rounds))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
     monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds, seed: [
@@ -159,6 +160,11 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     assert len(json.loads((tmp_path / "fwd-kernel.json").read_text())["rows"]) == 2
     assert mod.main(["fwd", "--dims", "192", "--l2-group", "3", "--out", str(tmp_path / "one.json")]) == 0
     assert seen[-1] == (2, 16, 8192, ((192, 128),), 3)
+    assert seen_ab[-1] == (None, None, None, 3)
+    # dense rows: --ab beside the launch the other options give
+    assert mod.main(["fwd", "--shape", "16,16,1024", "--ctas", "7", "--ab", "ctas=1073741824,dynamic=false", "--rounds",
+                     "5", "--out", str(tmp_path / "fd.json")]) == 0
+    assert seen_ab[-1] == (7, None, {"ctas": 1073741824, "dynamic": False}, 5)
     assert mod.main(["bwd", "--causal-only", "--no-det", "--l2-group", "0", "--results", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "bwd-kernel.json").read_text())["rows"]
     assert (row["causal"], row["det"], row["l2_group"], row["commit"]) == (True, False, 0, "c0ffee")
