@@ -51,6 +51,21 @@ def _options(l2_group, ctas=None, dynamic=None):
     return opts or None
 
 
+def alternate(fns: dict, rounds: int, timer) -> dict:
+    """Each of fns ({side: callable}) timed by timer(fn) once per round, the sides in turn within every round
+    (so that clock drift falls on all of them alike); the median time per side."""
+    times = {side: [] for side in fns}
+    for _ in range(rounds):
+        for side, fn in fns.items():
+            times[side].append(timer(fn))
+    return {side: sorted(ts)[len(ts) // 2] for side, ts in times.items()}
+
+
+def _do_bench(fn):
+    import triton.testing as tt
+    return tt.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
 def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64)), l2_group=None, ctas=None,
               dynamic=None, causal_only=False, ab=None, rounds=1):
     """Median times of the kernel and SDPA cuDNN in one process; prints TF/s. Returns the rows.
@@ -58,7 +73,6 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
     (the launcher's grid) or a grid of N CTAs (fwd_with_options; more than the tiles: one CTA per tile); dynamic:
     None (the launcher's tile assignment) or True / False (dynamic / static). ab: launch options timed beside
     that launch in `rounds` alternating rounds, medians per side (ours_ab_ms, ours_ab_tfs)."""
-    import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     ext = ext or load_family("fmha_fwd_sm90")
     rows = []
@@ -76,11 +90,8 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
             sides = {"": (lambda: ext.fwd(*args)) if opts is None else (lambda: ext.fwd_with_options(*args, opts))}
             if ab:
                 sides["_ab"] = lambda: ext.fwd_with_options(*args, {**(opts or {}), **ab})
-            times = {side: [] for side in sides}
-            for _ in range(rounds if ab else 1):
-                for side, fn in sides.items():
-                    times[side].append(tt.do_bench(fn, warmup=50, rep=300, return_mode="median"))
-            t_ours = sorted(times[""])[len(times[""]) // 2]
+            med = alternate(sides, rounds if ab else 1, _do_bench)
+            t_ours = med[""]
             flops = 2 * B * H * S * S * (d + dv) * (0.5 if causal else 1.0)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             t_cudnn = float("nan")
@@ -89,7 +100,7 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
                     f2 = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
                         qt, kt, vt, is_causal=causal, scale=scale)
                     f2()
-                    t_cudnn = tt.do_bench(f2, warmup=50, rep=300, return_mode="median")
+                    t_cudnn = _do_bench(f2)
             except Exception as exc:  # noqa: BLE001
                 print(f"cudnn failed for {d}/{dv}: {exc}")
             r = dict(B=B, H=H, S=S, d=d, dv=dv, causal=causal, l2_group="default" if l2_group is None else l2_group,
@@ -97,7 +108,7 @@ def bench_fwd(ext=None, B=2, H=16, S=8192, dims=((192, 128), (128, 128), (64, 64
                      ours_ms=t_ours, ours_tfs=flops / t_ours / 1e9,
                      cudnn_ms=t_cudnn, cudnn_tfs=flops / t_cudnn / 1e9)
             if ab:
-                t_ab = sorted(times["_ab"])[len(times["_ab"]) // 2]
+                t_ab = med["_ab"]
                 r.update(ours_ab_ms=t_ab, ours_ab_tfs=flops / t_ab / 1e9, ab=ab)
             rows.append(r)
             print(f"B={B} H={H} S={S} {d}/{dv} causal={causal}: ours {r['ours_tfs']:.0f} TF/s "
@@ -112,7 +123,6 @@ def bench_fwd_varlen(ext, varlen, dims=((192, 128), (128, 128), (64, 64)), causa
     """ext.fwd on a packed batch of bench_attention.varlen_lengths(varlen, seed) sequences at H=16 (no cuDNN row),
     and with launch options `ab` (fwd_with_options) beside it in `rounds` alternating rounds, medians per side
     (ours_ms, ours_tflops; ours_ab_ms, ours_ab_tflops). Prints and returns the rows."""
-    import triton.testing as tt
     from bench_attention import cu_seqlens, varlen_flops_fwd, varlen_lengths
     lengths = varlen_lengths(varlen, seed)
     cu, T, H, ms = cu_seqlens(lengths, DEV), sum(lengths), 16, max(lengths)
@@ -127,15 +137,11 @@ def bench_fwd_varlen(ext, varlen, dims=((192, 128), (128, 128), (64, 64)), causa
             sides = {"": lambda: ext.fwd(*args)}
             if ab:
                 sides["_ab"] = lambda: ext.fwd_with_options(*args, ab)
-            times = {side: [] for side in sides}
-            for _ in range(rounds if ab else 1):
-                for side, fn in sides.items():
-                    times[side].append(tt.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+            med = alternate(sides, rounds if ab else 1, _do_bench)
             flops = varlen_flops_fwd(lengths, H, d, dv, causal)
             r = {"case": "varlen", "lengths": varlen, "seed": seed, "num_seqs": len(lengths), "tokens": T, "H": H,
                  "d": d, "dv": dv, "causal": causal}
-            for side, ts in times.items():
-                t = sorted(ts)[len(ts) // 2]
+            for side, t in med.items():
                 r[f"ours{side}_ms"] = round(t, 4)
                 r[f"ours{side}_tflops"] = round(flops / t / 1e9, 1)
             if ab:
@@ -226,13 +232,9 @@ def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, 
             sides = {"": opts}
             if ab:
                 sides["_ab"] = {**(opts or {}), **ab}
-            times = {side: [] for side in sides}
-            for _ in range(rounds if ab else 1):
-                for side, o in sides.items():
-                    fn = (lambda: ext_.bwd(*args)) if o is None else (lambda o=o: ext_.bwd_with_options(*args, o))
-                    times[side].append(timeit(fn))
-            for side, ts in times.items():
-                t = sorted(ts)[len(ts) // 2]
+            fns = {side: (lambda: ext_.bwd(*args)) if o is None else (lambda o=o: ext_.bwd_with_options(*args, o))
+                   for side, o in sides.items()}
+            for side, t in alternate(fns, rounds if ab else 1, timeit).items():
                 res[f"ours{side}{tag}_ms"] = round(t * 1e3, 3)
                 res[f"ours{side}{tag}_tflops"] = round(flops / t / 1e12, 1)
         if ab:

@@ -137,6 +137,20 @@ def test_decode_ab_options_parse_and_reject(decode):
     assert decode.calls == []
 
 
+def test_kernels_bench_alternates_sides_and_takes_medians():
+    mod = _load("bench_kernels")
+    calls = []
+    samples = {"": iter([3.0, 1.0, 2.0]), "_ab": iter([5.0, 9.0, 4.0])}
+
+    def timer(fn):
+        calls.append(fn())
+        return next(samples[calls[-1]])
+    med = mod.alternate({"": lambda: "", "_ab": lambda: "_ab"}, 3, timer)
+    assert calls == ["", "_ab"] * 3  # the sides in turn within every round
+    assert med == {"": 2.0, "_ab": 5.0}
+    assert mod.alternate({"": lambda: ""}, 1, lambda fn: 7.0) == {"": 7.0}
+
+
 def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     mod = _load("bench_kernels")
     monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: True)
