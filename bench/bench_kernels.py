@@ -2,7 +2,7 @@
 beside SDPA cuDNN in the same process, bf16 random normal inputs.
 
     python bench/bench_kernels.py fwd [--shape B,H,S ...] [--dims 192 ...]   # fmha_fwd_sm90 (default 2,16,8192)
-    python bench/bench_kernels.py bwd [--causal-only] [--no-det]            # fmha_bwd_sm90, B=2 H=16 S=8192
+    python bench/bench_kernels.py bwd [--shape B,H,S ...] [--dims 128] [--causal-only] [--no-det]  # fmha_bwd_sm90
     ... bwd --varlen longtail [--ab compact_varlen=false]                     # a packed batch; A/B of launch options
     ... fwd --varlen longtail [--ab longest_first=false]                      # the same for the forward
     ... [--l2-group N]                                                      # either, forced launch grouping
@@ -151,8 +151,10 @@ def bench_fwd_varlen(ext, varlen, dims=((192, 128), (128, 128), (64, 64)), causa
     return rows
 
 
-def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, rounds=1, seed=0):
-    """ext.bwd beside cuDNN's backward, B=2 H=16 S=8192, (192, 128) and (128, 128); prints and returns the rows.
+def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, rounds=1, seed=0, shape=(2, 16, 8192),
+              dims=((192, 128), (128, 128))):
+    """ext.bwd beside cuDNN's backward, B, H, S = shape (default 2, 16, 8192), the head-dim pairs `dims`; prints and
+    returns the rows.
     l2_group: None (bwd, the launcher's grouping) or N pairs per launch group (bwd_with_options). varlen: a
     packed batch of bench_attention.varlen_lengths(varlen, seed) sequences at H=16 instead (no cuDNN row). ab: launch
     options (bwd_with_options) timed beside the default launch in `rounds` alternating rounds, medians per side
@@ -177,8 +179,8 @@ def bench_bwd(causal_only=False, det=True, l2_group=None, varlen=None, ab=None, 
         times.sort()
         return times[len(times) // 2] * 1e-3
 
-    B, H, S = 2, 16, 8192
-    cases = (((192, 128), False), ((192, 128), True), ((128, 128), False), ((128, 128), True))
+    B, H, S = shape
+    cases = tuple((dd, causal) for dd in dims for causal in (False, True))
     if causal_only:
         cases = tuple(c for c in cases if c[1])
     lengths = cu = None
@@ -264,8 +266,8 @@ def parse_ab(text: str | None) -> dict | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("kernel", choices=("fwd", "bwd"))
-    ap.add_argument("--shape", action="append", default=None, metavar="B,H,S", help="fwd: repeatable (default 2,16,8192)")
-    ap.add_argument("--dims", action="append", type=int, default=None, help="fwd: only these Dqk (192, 128, 64); repeatable")
+    ap.add_argument("--shape", action="append", default=None, metavar="B,H,S", help="repeatable (default 2,16,8192)")
+    ap.add_argument("--dims", action="append", type=int, default=None, help="only these Dqk (fwd: 192, 128, 64; bwd: 192, 128); repeatable")
     ap.add_argument("--causal-only", action="store_true", help="the causal workloads only")
     ap.add_argument("--no-det", action="store_true", help="bwd: not in deterministic mode too")
     ap.add_argument("--l2-group", type=int, default=None, metavar="N",
@@ -288,9 +290,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU (SM90)")
     meta = stamp()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
     if a.kernel == "fwd":
         dims = [dd for dd in ((192, 128), (128, 128), (64, 64)) if not a.dims or dd[0] in a.dims]
-        shapes = [tuple(int(x) for x in s.split(",")) for s in a.shape] if a.shape else [(2, 16, 8192)]
         ext = load_family("fmha_fwd_sm90")
         if a.varlen is not None:
             rows = bench_fwd_varlen(ext, a.varlen, dims=dims, causal_only=a.causal_only, ab=parse_ab(a.ab),
@@ -302,8 +304,11 @@ def main(argv=None) -> int:
                                    dynamic=None if a.dynamic is None else bool(a.dynamic), causal_only=a.causal_only,
                                    ab=parse_ab(a.ab), rounds=a.rounds)]
     else:
-        rows = bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group, varlen=a.varlen, ab=parse_ab(a.ab),
-                         rounds=a.rounds, seed=a.seed)
+        dims = [dd for dd in ((192, 128), (128, 128)) if not a.dims or dd[0] in a.dims]
+        shapes = shapes if a.varlen is None else shapes[:1]  # a packed batch has its own shape
+        rows = [r for shape in shapes
+                for r in bench_bwd(a.causal_only, not a.no_det, l2_group=a.l2_group, varlen=a.varlen,
+                                   ab=parse_ab(a.ab), rounds=a.rounds, seed=a.seed, shape=shape, dims=dims)]
     print(f"wrote {record(f'{a.kernel}-kernel', meta, rows, out=a.out, results=a.results)}")
     return 0
 

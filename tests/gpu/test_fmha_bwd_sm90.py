@@ -224,6 +224,28 @@ def test_compact_varlen_grids(ext, dims):
             assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), f"deterministic {what}: compact != full"
 
 
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
+def test_dq_handoff_per_warpgroup(ext, dims):
+    """Each consumer warpgroup hands its half of an M-block's dQ to the reducer warp through a barrier pair of its
+    own (the default), or both through one shared pair (options["dq_wg_barriers"] False): correct gradients both
+    ways, dense (M-blocks ending inside a warpgroup's rows, GQA) and varlen with empty sequences, dK and dV the
+    same bits, and deterministic mode all three gradients the same bits (its dQ sums run in K/V block order)."""
+    d, dv = dims
+    lq, lk = [0, 130, 64, 257, 1], [70, 200, 1, 300, 0]
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], device=DEV, dtype=torch.int32)
+    for (causal, br), det in itertools.product(MASKS, (False, True)):
+        dense = _inputs((2, 301, 6, d), (2, 250, 3, d), (2, 250, 3, dv), torch.bfloat16, seed=d + 7)
+        packed = _inputs((sum(lq), 4, d), (sum(lk), 2, d), (sum(lk), 2, dv), torch.bfloat16, seed=d + 8)
+        for (q, k, v), extra in ((dense, {}), (packed, dict(cu_q=cu_q, cu_k=cu_k, msq=max(lq), msk=max(lk)))):
+            runs = [_run_and_check(ext, q, k, v, scale=1 / math.sqrt(d), causal=causal, bottom_right=br,
+                                   deterministic=det, options={"dq_wg_barriers": split}, **extra)
+                    for split in (True, False)]
+            for what, a, b_ in list(zip(("dq", "dk", "dv"), *runs))[0 if det else 1:]:
+                assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), \
+                    f"{what} differs between the dQ hand-offs ({causal=} {br=} {det=} varlen={bool(extra)})"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")
 def test_bwd_entry(ext, dims, causal):

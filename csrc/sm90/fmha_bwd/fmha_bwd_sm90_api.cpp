@@ -64,9 +64,11 @@ FmhaBwdSm90Options parse_options(const py::dict& options) {
       o.compact_varlen = mla::option_bool(item.second, fn, key);
     } else if (key == "longest_first") {
       o.longest_first = mla::option_bool(item.second, fn, key);
+    } else if (key == "dq_wg_barriers") {
+      o.dq_wg_barriers = mla::option_bool(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key,
-                "' (known: l2_group, poison_workspace, compact_varlen, longest_first)");
+                "' (known: l2_group, poison_workspace, compact_varlen, longest_first, dq_wg_barriers)");
     }
   }
   return o;

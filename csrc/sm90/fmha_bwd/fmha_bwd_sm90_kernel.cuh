@@ -103,7 +103,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
       // hq = hkv * group + g (g = 0 .. group-1), each with M-blocks m = m_min .. m_end-1 (running
       // values instead of it / n_m, it % n_m; n_m > 0 when total_iters > 0)
       if (w.total_iters > 0) {
-        cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // the smem block starts free
+        // the smem block starts free; hand it back to both warpgroups (one barrier each with dq_wg_barriers)
+        auto hand_back = [&]() {
+          if (p.dq_wg_barriers) {
+            cutlass::arch::NamedBarrier::arrive(kDqWgBarThreads, kBarDqEmpty);
+            cutlass::arch::NamedBarrier::arrive(kDqWgBarThreads, kBarDqEmpty1);
+          } else {
+            cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);
+          }
+        };
+        hand_back();
         // scratch_start is a multiple of BM: scratch row of M-block m = (sblk + m) * BM
         const int sblk = int(w.sq.scratch_start / BM);
         const int m_min = w.m_min, m_end = w.m_min + w.n_m, hq_end = (hkv + 1) * w.group;
@@ -111,7 +120,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
 #pragma unroll 1
         while (hq < hq_end) {
           const int64_t srow0 = int64_t(hq) * p.scratch_rows + int64_t(sblk + m) * BM;
-          cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
+          if (p.dq_wg_barriers) {  // both warpgroups' halves are in the block
+            cutlass::arch::NamedBarrier::sync(kDqWgBarThreads, kBarDqFull);
+            cutlass::arch::NamedBarrier::sync(kDqWgBarThreads, kBarDqFull1);
+          } else {
+            cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqFull);
+          }
           if (lane == 0) {
             int* sem = p.deterministic ? p.dq_sem + int64_t(hq) * (p.scratch_rows / BM) + (sblk + m) : nullptr;
             if (sem != nullptr) {
@@ -129,7 +143,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) fmha_bwd_sm90_main(const __gr
           }
           __syncwarp();
           if (++m == m_end) { m = m_min; ++hq; }
-          if (hq < hq_end) cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqEmpty);  // not the last
+          if (hq < hq_end) hand_back();  // not the last
         }
         if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
       }

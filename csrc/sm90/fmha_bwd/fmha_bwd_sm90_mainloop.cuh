@@ -27,7 +27,8 @@ __device__ __forceinline__ auto smem_operands(typename Tr::SharedStorage& ss) {
 // smem block the reducer warp adds to dq_accum: waits until the previous block has been read, stores
 // 16 bytes at a time in the dq_store_pos layout, fences for the bulk copy's async proxy, signals.
 template <int D, class TAcc, class TCoord>
-__device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord& tdQcdQ, float* sdq) {
+__device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord& tdQcdQ, float* sdq, int cwg,
+                                               bool wg_barriers) {
   static_assert(decltype(rank<0>(tdQrdQ))::value == 3, "GMMA accumulator layout");
   constexpr int kChunks = decltype(size<0, 2>(tdQrdQ))::value;
   static_assert(kChunks % 2 == 0 && D % 32 == 0, "pairs of 8-column chunks; dq_store_pos swizzle");
@@ -43,7 +44,9 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
   const int r0 = get<0>(cd00), c0 = get<1>(cd00);
   float* const sdq_even = dq_base_even<D>(sdq, r0, c0);
   float* const sdq_odd = dq_base_odd<D>(sdq, r0, c0);
-  cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);  // the previous block has been read
+  // the previous block has been read
+  if (wg_barriers) cutlass::arch::NamedBarrier::sync(kDqWgBarThreads, dq_empty_bar(cwg));
+  else cutlass::arch::NamedBarrier::sync(kDqBarThreads, kBarDqEmpty);
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
     CUTE_UNROLL
@@ -60,7 +63,8 @@ __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord&
     }
   }
   cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> the bulk copy's async proxy
-  cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqFull);
+  if (wg_barriers) cutlass::arch::NamedBarrier::arrive(kDqWgBarThreads, dq_full_bar(cwg));
+  else cutlass::arch::NamedBarrier::arrive(kDqBarThreads, kBarDqFull);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -229,7 +233,7 @@ __device__ __forceinline__ void mainloop_unswapped(const MainArgs<Tr>& args, typ
       warpgroup_wait<1>();  // dV^T and dQ done; dK^T may still run
       warpgroup_fence_operand(tdQrdQ);
 
-      store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+      store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data(), cwg, p.dq_wg_barriers);
       // this stage's Q/dO are released once dK^T (the last GEMM reading them) is done
       if (it + 1 == total_iters) {
         warpgroup_wait<0>();
@@ -417,7 +421,7 @@ __device__ __forceinline__ void mainloop_swapped(const MainArgs<Tr>& args, typen
     mla_sm90::wg_gemm<true>(mma_dk, tdSr, tdKrQt(_, _, _, mla_sm90::uniform(stage)), tdKrdK, false);
     warpgroup_wait<1>();  // dV, dQ done; dK runs during the dQ store
     warpgroup_fence_operand(tdQrdQ);
-    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data());
+    store_dq_block<D>(tdQrdQ, tdQcdQ, ss.dq.data(), tidx / 128, p.dq_wg_barriers);
     warpgroup_wait<0>();  // P^T/dS^T registers and this stage's Q/dO are free
     warpgroup_fence_operand(tdKrdK);
     warpgroup_fence_operand(tdVrdV);

@@ -52,6 +52,10 @@ struct FmhaBwdSm90Params : FmhaProblemParams {
   // (set by the launcher when dk/dv allow TMA: 16-byte aligned base and strides); the other blocks,
   // and every block when false, store from registers.
   bool dkv_tma;
+  // The consumer warpgroups hand their halves of each M-block's dQ to the reducer warp through a barrier pair
+  // each (true, set by the launcher from FmhaBwdSm90Options::dq_wg_barriers), or through one pair shared by both
+  // (false): a warpgroup then waits at its dQ store for the other to reach the same store.
+  bool dq_wg_barriers;
 };
 
 // The rope parts of the MLA-native backward (fmha_bwd_sm90_run_mla_192_128), which reads MLA's split query and key
@@ -87,6 +91,8 @@ struct FmhaBwdSm90Options {
   // Packed batches of at most kSeqOrderMaxBatch sequences on the compact grids, not deterministic: the grids take
   // the sequences longest first (FmhaProblemParams::seq_order); false: in cu_seqlens order.
   bool longest_first = true;
+  // FmhaBwdSm90Params::dq_wg_barriers (false: one barrier pair shared by both consumer warpgroups).
+  bool dq_wg_barriers = true;
 };
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu. Each launches the three

@@ -124,6 +124,7 @@ inline void plan_launch(FmhaBwdSm90Params& p, const FmhaBwdSm90Options& opt, int
   p.q_slots = compact_slots(varlen, opt.compact_varlen, p.rows_q, p.seqlen_q, p.batch, BM);
   p.kv_slots = compact_slots(varlen, opt.compact_varlen && !p.deterministic, p.rows_k, p.seqlen_k, p.batch, BN);
   p.pair_group = pair_group(p, opt.pair_group, l2_bytes);
+  p.dq_wg_barriers = opt.dq_wg_barriers;
   // The order matters to the main kernel's compact grid alone (where the grid is over max_seqlen x batch, every
   // sequence's blocks are launched in place): without one, no order kernel runs and every grid keeps cu_seqlens order.
   if (p.kv_slots == 0) p.seq_order = nullptr;

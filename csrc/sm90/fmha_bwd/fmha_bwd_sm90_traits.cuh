@@ -236,9 +236,17 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   return v;
 }
 
-// Named barriers (CUTLASS adds its reserved count). DqEmpty/DqFull: 256 consumers + the reducer warp.
-enum BarrierId : int { kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6 };
+// Named barriers (CUTLASS adds its reserved count). DqEmpty/DqFull: 256 consumers + the reducer warp; with
+// p.dq_wg_barriers, one pair per consumer warpgroup (kBarDqEmpty/kBarDqFull for WG 0, kBarDqEmpty1/kBarDqFull1
+// for WG 1), each 128 consumers + the reducer warp.
+enum BarrierId : int {
+  kBarPwg0 = 1, kBarPwg1 = 2, kBardSFree = 3, kBarDsReady = 4, kBarDqEmpty = 5, kBarDqFull = 6,
+  kBarDqEmpty1 = 7, kBarDqFull1 = 8
+};
 constexpr int kDqBarThreads = 256 + 32;
+constexpr int kDqWgBarThreads = 128 + 32;
+__device__ __forceinline__ int dq_empty_bar(int cwg) { return cwg == 0 ? kBarDqEmpty : kBarDqEmpty1; }
+__device__ __forceinline__ int dq_full_bar(int cwg) { return cwg == 0 ? kBarDqFull : kBarDqFull1; }
 
 __device__ __forceinline__ void st_shared_u32_addr(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
