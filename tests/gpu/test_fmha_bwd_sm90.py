@@ -28,7 +28,7 @@ if not _CAP_OK:
 
 from mla_autograd import reference  # noqa: E402
 from mla_autograd._build import load_family  # noqa: E402
-from mla_autograd.testing import assert_error_within, naive_attention  # noqa: E402
+from mla_autograd.testing import BAD_VARLEN_CASES, BAD_VARLEN_ROWS, assert_error_within, naive_attention  # noqa: E402
 
 DEV = "cuda"
 DIMS = [(192, 128), (128, 128), (64, 64)]
@@ -222,6 +222,42 @@ def test_compact_varlen_grids(ext, dims):
                               options={"compact_varlen": c}, **kw) for c in (True, False)]
         for what, a, b_ in zip(("dq", "dk", "dv"), *det):
             assert torch.equal(a.view(torch.int16), b_.view(torch.int16)), f"deterministic {what}: compact != full"
+
+
+@pytest.mark.parametrize("case", BAD_VARLEN_CASES, ids=lambda c: c.name)
+def test_uncovered_rows(ext, case):
+    """cu_seqlens / max_seqlen that break the rules (testing.BAD_VARLEN_CASES: a negative start, ends past the
+    tensor, a decreasing pair, sequences cut at max_seqlen, int32 extremes), gradients NaN-poisoned first: the rows
+    no sequence covers come out 0 (the uncovered-rows kernel; the others write only covered rows), and the covered
+    rows match the float32 reference, which takes the same ranges (every dims pair and mask). Overlapping ranges:
+    no fault, finite gradients."""
+    tq, tk = BAD_VARLEN_ROWS
+    cq, ck = (torch.tensor(c, dtype=torch.int32, device=DEV) for c in (case.cu_q, case.cu_k))
+    for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
+        q, k, v = _inputs((tq, 4, d), (tk, 2, d), (tk, 2, dv), torch.bfloat16, seed=d + 3)
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=case.max_q, max_seqlen_k=case.max_k,
+                  softmax_scale=1 / math.sqrt(d), causal=causal, bottom_right=br)
+        out32, lse = reference.attention_forward(q.float(), k.float(), v.float(), **kw)
+        dout = torch.randn(out32.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(d)).bfloat16()
+        refs = reference.attention_backward(dout.float(), q.float(), k.float(), v.float(), out32, lse.float(), **kw)
+        grads = [torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEV) for t in (q, k, v)]
+        _bwd(ext, dout, q, k, v, out32.bfloat16(), lse.contiguous(), *grads, cq, ck, case.max_q, case.max_k,
+             kw["softmax_scale"], causal, br, False)
+        torch.cuda.synchronize()
+        what = f"{case.name} d={d} {causal=} {br=}"
+        for name, a in zip(("dq", "dk", "dv"), grads):
+            assert torch.isfinite(a).all(), f"{what}: {name} has rows left unwritten"
+        if case.overlapping:
+            continue
+        for name, a, r, ranges, rows in (("dq", grads[0], refs[0], case.ranges_q, tq),
+                                         ("dk", grads[1], refs[1], case.ranges_k, tk),
+                                         ("dv", grads[2], refs[2], case.ranges_k, tk)):
+            covered = torch.zeros(rows, dtype=torch.bool, device=DEV)
+            for s_, e_ in ranges:
+                covered[s_:e_] = True
+            assert torch.all(a[~covered] == 0), f"{what}: {name} of rows no sequence covers"
+            err = (a[covered].float() - r[covered].float()).abs().max().item() if covered.any() else 0.0
+            assert err <= 0.02 * max(r.abs().max().item(), 1.0), f"{what}: {name} off by {err}"
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"d{d[0]}_{d[1]}")

@@ -50,7 +50,10 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
 //   "poison_workspace": bool, fill the fp32 workspace with NaN (semaphores -1) before the kernels run;
 //   "compact_varlen": bool, varlen grids over the blocks that hold rows (default) or over max_seqlen x batch;
 //   "longest_first": bool, the compact grids take a packed batch's sequences longest first (default) or in
-//   cu_seqlens order.
+//   cu_seqlens order;
+//   "dq_wg_barriers": bool, each consumer warpgroup hands its dQ half to the reducer through its own barriers
+//   (default) or both through one shared pair;
+//   "zero_whole_grads": bool, packed batches: clear all of dq, dk, dv first instead of the uncovered rows.
 FmhaBwdSm90Options parse_options(const py::dict& options) {
   FmhaBwdSm90Options o;
   constexpr const char* fn = "fmha_bwd_sm90";
@@ -66,9 +69,11 @@ FmhaBwdSm90Options parse_options(const py::dict& options) {
       o.longest_first = mla::option_bool(item.second, fn, key);
     } else if (key == "dq_wg_barriers") {
       o.dq_wg_barriers = mla::option_bool(item.second, fn, key);
+    } else if (key == "zero_whole_grads") {
+      o.zero_whole_grads = mla::option_bool(item.second, fn, key);
     } else {
       MLA_CHECK(false, "fmha_bwd_sm90: unknown option '", key,
-                "' (known: l2_group, poison_workspace, compact_varlen, longest_first, dq_wg_barriers)");
+                "' (known: l2_group, poison_workspace, compact_varlen, longest_first, dq_wg_barriers, zero_whole_grads)");
     }
   }
   return o;
@@ -261,12 +266,24 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
                      "fmha_bwd_sm90: poisoning the workspace");
     }
   }
-  if (varlen) {
-    // rows that belong to no sequence (past cu_seqlens[B]) are never written by the kernels
+  if (varlen && opt.zero_whole_grads) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     if (rope != nullptr) rope->dk_pe.zero_();
+  } else if (varlen) {
+    // The rows that no sequence covers get gradient 0; the kernels write only the covered ones.
+    FmhaBwdSm90ZeroRows z{};
+    z.batch = int(batch);
+    auto add = [&](const at::Tensor& t, const at::Tensor& cu, int64_t max_seqlen) {
+      z.t[z.count++] = FmhaBwdSm90GradRows{t.data_ptr(), t.size(0), t.stride(0), t.stride(1), int(t.size(1)),
+                                           int(t.size(2)), cu.data_ptr<int>(), max_seqlen};
+    };
+    add(dq, *cu_seqlens_q, msq);
+    add(dk, *cu_seqlens_k, msk);
+    add(dv, *cu_seqlens_k, msk);
+    if (rope != nullptr) add(rope->dk_pe, *cu_seqlens_k, msk);
+    MLA_CUDA_CHECK(fmha_bwd_sm90_zero_uncovered_rows(z, stream), "fmha_bwd_sm90: zeroing the uncovered rows");
   }
 
   FmhaBwdSm90Params p{};

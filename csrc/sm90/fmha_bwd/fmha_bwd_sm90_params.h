@@ -93,7 +93,31 @@ struct FmhaBwdSm90Options {
   bool longest_first = true;
   // FmhaBwdSm90Params::dq_wg_barriers (false: one barrier pair shared by both consumer warpgroups).
   bool dq_wg_barriers = true;
+  // Packed batches: clear the whole of dq, dk and dv before the kernels (host api only) instead of zeroing the
+  // rows that no sequence covers (fmha_bwd_sm90_zero_uncovered_rows); the same results, for A/B runs.
+  bool zero_whole_grads = false;
 };
+
+// A 16-bit gradient of a packed batch for fmha_bwd_sm90_zero_uncovered_rows: (rows, heads, cols) elements at ptr
+// with these strides (in elements; unit column stride), its sequences placed by cu_seqlens (batch + 1 int32 on the
+// device) and cut at max_seqlen.
+struct FmhaBwdSm90GradRows {
+  void* ptr;
+  int64_t rows, row_stride, head_stride;
+  int heads, cols;
+  const int* cu_seqlens;
+  int64_t max_seqlen;
+};
+constexpr int kFmhaBwdSm90ZeroRowsMaxTensors = 4;  // dq, dk, dv and an MLA-native call's dk_pe
+struct FmhaBwdSm90ZeroRows {
+  FmhaBwdSm90GradRows t[kFmhaBwdSm90ZeroRowsMaxTensors];
+  int count;  // tensors in t
+  int batch;  // sequences
+};
+
+// Packed batches: writes 0 to every row of the `count` tensors that no sequence covers (what the other kernels
+// leave unwritten), on `stream`, without reading cu_seqlens on the host; defined in fmha_bwd_sm90_zero_rows.cu.
+cudaError_t fmha_bwd_sm90_zero_uncovered_rows(const FmhaBwdSm90ZeroRows& z, cudaStream_t stream);
 
 // Host launchers, one per (head_dim, head_dim_v); defined in fmha_bwd_sm90_hdim*.cu. Each launches the three
 // kernels on `stream` and returns the first launch error (common/cuda_check.h); l2_bytes is the device's L2
