@@ -30,6 +30,8 @@
 //                                  loops, the dQ hand-off
 //   fmha_bwd_sm90_postprocess.cuh  postprocess kernel (dQ convert)
 //   fmha_bwd_sm90_kernel.cuh       (this file) the main kernel (producer, reducer, dispatch) and the launcher
+//   fmha_bwd_sm90_zero_rows.cu     packed batches: the gradient rows no sequence covers set to 0 (launched by
+//                                  the host layer before the launcher's kernels)
 #pragma once
 
 #include "common/cuda_check.h"
