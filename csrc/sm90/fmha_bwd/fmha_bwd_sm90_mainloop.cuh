@@ -25,7 +25,9 @@ __device__ __forceinline__ auto smem_operands(typename Tr::SharedStorage& ss) {
 
 // The fp32 dQ of one M-block (this thread's part of the dQ accumulator, D/2 columns per WG) into the
 // smem block the reducer warp adds to dq_accum: waits until the previous block has been read, stores
-// 16 bytes at a time in the dq_store_pos layout, fences for the bulk copy's async proxy, signals.
+// 16 bytes at a time in the dq_store_pos layout, fences for the bulk copy's async proxy, signals. cwg: this
+// thread's consumer warpgroup; wg_barriers (p.dq_wg_barriers): wait and signal on that warpgroup's own barrier
+// pair with the reducer, else on the pair both warpgroups share (docs/kernels/fmha_bwd_sm90.md, "The dQ path").
 template <int D, class TAcc, class TCoord>
 __device__ __forceinline__ void store_dq_block(const TAcc& tdQrdQ, const TCoord& tdQcdQ, float* sdq, int cwg,
                                                bool wg_barriers) {
