@@ -198,7 +198,7 @@ def _attn_bwd_into(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     a new dv (the caller copies it). dk_over_k: k is the caller's scratch, which the SM90 kernel may overwrite
     with dk (dense batches: each CTA reads its K block once, at its start, and writes that block's dK at its
     end, and no other CTA reads those rows; in a packed batch a block's tile reaches into the next sequence's
-    rows, and those are zeroed first). Eager callers only: the op's schema has neither."""
+    rows, whose dK another CTA may already have written). Eager callers only: the op's schema has neither."""
     varlen = cu_seqlens_q is not None
     if _empty_problem(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
