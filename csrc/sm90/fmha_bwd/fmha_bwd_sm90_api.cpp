@@ -409,7 +409,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd_with_options", &bwd_with_options,
         "bwd with launch options, for tests and benchmarks: options = {'l2_group': N} forces N (kv head, batch) "
         "pairs per launch group (0: all interleaved), {'poison_workspace': True} fills the fp32 workspace with NaN "
-        "first; {} is bwd",
+        "first, {'compact_varlen': False} / {'longest_first': False} the packed grids over max_seqlen x batch / in "
+        "cu_seqlens order, {'dq_wg_barriers': False} one dQ barrier pair for both consumer warpgroups, "
+        "{'zero_whole_grads': True} packed batches clear all of dq, dk, dv first; {} is bwd",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
         py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
         py::arg("max_seqlen_k"), py::arg("softmax_scale"), py::arg("causal"), py::arg("bottom_right"),
