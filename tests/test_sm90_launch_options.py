@@ -45,7 +45,10 @@ def test_fwd_options_refused(options, match):
 
 
 @pytest.mark.parametrize("options,match", BAD + [({"poison_workspace": 1}, r"options\['poison_workspace'\] must be a bool"),
-                                                 ({"longest_first": 0}, r"options\['longest_first'\] must be a bool")])
+                                                 ({"longest_first": 0}, r"options\['longest_first'\] must be a bool"),
+                                                 ({"dq_wg_barriers": 1}, r"options\['dq_wg_barriers'\] must be a bool"),
+                                                 ({"zero_whole_grads": "yes"},
+                                                  r"options\['zero_whole_grads'\] must be a bool")])
 def test_bwd_options_refused(options, match):
     t, lse = _tensors()
     with pytest.raises(RuntimeError, match="fmha_bwd_sm90: " + match):
