@@ -163,9 +163,9 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
         seen_ab.append((ctas, dynamic, ab, rounds))
         return [{"B": B, "H": H, "S": S, "d": d, "dv": dv, "ours_ms": 1.0} for d, dv in dims]
     monkeypatch.setattr(mod, "bench_fwd", fake_fwd)
-    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds, seed: [
+    monkeypatch.setattr(mod, "bench_bwd", lambda causal_only, det, l2_group, varlen, ab, rounds, seed, shape, dims: [
         {"causal": causal_only, "det": det, "l2_group": l2_group, "varlen": varlen, "ab": ab, "rounds": rounds,
-         "seed": seed}])
+         "seed": seed, "shape": list(shape), "dims": [list(d) for d in dims]}])
     monkeypatch.setattr(mod, "bench_fwd_varlen", lambda ext, varlen, dims, causal_only, ab, rounds, seed: [
         {"varlen": varlen, "dims": [list(d) for d in dims], "causal_only": causal_only, "ab": ab, "rounds": rounds,
          "seed": seed}])
@@ -183,10 +183,18 @@ def test_kernels_bench_writes_fwd_and_bwd_stores(monkeypatch, tmp_path):
     (row,) = json.loads((tmp_path / "bwd-kernel.json").read_text())["rows"]
     assert (row["causal"], row["det"], row["l2_group"], row["commit"]) == (True, False, 0, "c0ffee")
     assert (row["varlen"], row["ab"], row["rounds"]) == (None, None, 3)
+    assert (row["shape"], row["dims"]) == ([2, 16, 8192], [[192, 128], [128, 128]])
+    # dense backward rows: one call per --shape, --dims narrowing the head-dim pairs
+    assert mod.main(["bwd", "--shape", "16,16,1024", "--shape", "1,8,512", "--dims", "128", "--ab",
+                     "dq_wg_barriers=false", "--out", str(tmp_path / "bs.json")]) == 0
+    rows = json.loads((tmp_path / "bs.json").read_text())["rows"]
+    assert [(r["shape"], r["dims"], r["ab"]) for r in rows] == [
+        ([16, 16, 1024], [[128, 128]], {"dq_wg_barriers": False}), ([1, 8, 512], [[128, 128]], {"dq_wg_barriers": False})]
     assert mod.main(["bwd", "--varlen", "longtail", "--ab", "compact_varlen=false,l2_group=2", "--rounds", "2",
                      "--out", str(tmp_path / "ab.json")]) == 0
     (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
     assert (row["varlen"], row["ab"], row["rounds"]) == ("longtail", {"compact_varlen": False, "l2_group": 2}, 2)
+    assert row["shape"] == [2, 16, 8192]  # a packed batch: one call, whatever --shape says
     assert row["seed"] == 0
     # the forward on a packed batch: its own function, the same --ab / --rounds / --seed
     assert mod.main(["fwd", "--varlen", "longtail", "--dims", "192", "--causal-only", "--ab", "longest_first=false",
