@@ -591,7 +591,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
                         int64_t(tile.h) * p.o_head_stride + int64_t(b_dense) * p.o_batch_stride;
       Tensor rO = make_tensor<Element>(tOrO.layout());
       convert_frag(tOrO, rO);
-      if (p.staged_epilogue == 1) {
+      if (p.staged_epilogue) {
         // O leaves each consumer warp through its own staging rows in smem, 64 columns per pass: in by stmatrix
         // (a thread's 4 consecutive 32-bit pairs of a 16-column block, rows q / q + 8 of the low then the high 8
         // columns, are its parts of that block's four 8x8 matrices), back as 16-byte chunks, out as whole 128-byte
@@ -628,7 +628,7 @@ fmha_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename KT::KernelParams const kp) {
             }
           }
         }
-      } else if (p.staged_epilogue == 0) {
+      } else {
         // From the accumulator layout (fwd_with_options' staged_epilogue False, the other side of the A/B that chose
         // the staged one): a 4-byte store per column pair, each warp instruction 8 rows in 16-byte pieces.
         Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, DV>{}));
@@ -697,7 +697,7 @@ cudaError_t launch_fmha_fwd_sm90(FmhaFwdSm90Params const& p, typename KT::Kernel
   int const num_tiles = num_hb * num_m;
   kp.p.l2_head_group = l2_head_group(p, num_hb, opt.l2_head_group, dev.l2_bytes);
   kp.p.num_m_blocks = num_m;
-  kp.p.staged_epilogue = opt.staged_epilogue ? 1 : 0;
+  kp.p.staged_epilogue = opt.staged_epilogue;
   // A persistent grid, one CTA per SM (one fits: the shared storage takes most of an SM). Unmasked dense
   // tiles all cost the same and are assigned statically (CTA c: c, c + gridDim.x, ...). Causal tiles cost 1
   // to num_m key blocks and varlen ones up to the longest sequence's: they are assigned dynamically

@@ -27,9 +27,9 @@ struct FmhaFwdSm90Params : FmhaProblemParams {
   // launcher, where fmha_fwd_sm90_dynamic_tiles): the dynamic tile scheduler's count of tiles taken beyond the
   // first gridDim.x; nullptr otherwise.
   int* tile_counter;
-  // Set by the launcher from FmhaFwdSm90Options::staged_epilogue: 1, O leaves through the consumer warps' staging
-  // rows in smem; 0, by 4-byte stores from the accumulator layout (the launcher sets no other value).
-  int staged_epilogue;
+  // Set by the launcher from FmhaFwdSm90Options::staged_epilogue: true, O leaves through the consumer warps'
+  // staging rows in smem; false, by 4-byte stores from the accumulator layout.
+  bool staged_epilogue;
 };
 
 // The rope parts of the MLA-native forward (fmha_fwd_sm90_launch_mla_192_128), which reads MLA's split query and
