@@ -12,6 +12,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "common/fmha_params.h"
+#include "sm90/sm90_varlen_rows.cuh"
 
 
 namespace mla_sm90 {
@@ -19,19 +20,6 @@ namespace mla_sm90 {
 using namespace cute;
 
 // ------------------------------------------------------------------------------------------------
-// Rows of sequence b of a packed (varlen) batch, as every SM90 kernel reads them (forward and backward):
-// cu[b] and cu[b + 1] clamped into [0, rows] (the packed tensor's rows) with the end at least the start,
-// and the length capped at max_len (max_seqlen, which sizes the grids). For valid cu_seqlens and max_seqlen
-// this is exactly rows [cu[b], cu[b + 1]); for any other values (negative, decreasing, past the tensor,
-// longer than max_seqlen) no row outside the tensor is read or written, and every kernel of a call agrees on
-// the clamped ranges. What such a sequence computes is documented in mla_autograd.attention_varlen.
-CUTE_HOST_DEVICE void varlen_rows(int const* cu, int b, int rows, int max_len, int64_t& start, int& len) {
-  int const s = cu[b] < 0 ? 0 : (cu[b] > rows ? rows : cu[b]);
-  int const e = cu[b + 1] < s ? s : (cu[b + 1] > rows ? rows : cu[b + 1]);
-  start = s;
-  len = e - s < max_len ? e - s : max_len;
-}
-
 // Lengths and first rows of sequence b, dense or varlen (cu_seqlens read through varlen_rows), as every
 // SM90 kernel of a call sees them.
 struct SeqInfo {

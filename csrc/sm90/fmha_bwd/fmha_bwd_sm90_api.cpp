@@ -232,12 +232,15 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
   MLA_CHECK(dev.major == 9 && dev.minor == 0, "fmha_bwd_sm90: needs an SM90 (compute capability 9.0) GPU, got ",
               dev.major, ".", dev.minor);
 
-  // Nothing to attend: zero gradients (no launch needed).
-  if (q.size(0) == 0 || k.size(0) == 0 || (!varlen && (sq == 0 || sk == 0)) || hq == 0) {
+  auto zero_grads = [&] {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     if (rope != nullptr) rope->dk_pe.zero_();
+  };
+  // Nothing to attend: zero gradients (no launch needed).
+  if (q.size(0) == 0 || k.size(0) == 0 || (!varlen && (sq == 0 || sk == 0)) || hq == 0) {
+    zero_grads();
     return;
   }
 
@@ -267,17 +270,14 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     }
   }
   if (varlen && opt.zero_whole_grads) {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
-    if (rope != nullptr) rope->dk_pe.zero_();
+    zero_grads();
   } else if (varlen) {
     // The rows that no sequence covers get gradient 0; the kernels write only the covered ones.
     FmhaBwdSm90ZeroRows z{};
     z.batch = int(batch);
     auto add = [&](const at::Tensor& t, const at::Tensor& cu, int64_t max_seqlen) {
-      z.t[z.count++] = FmhaBwdSm90GradRows{t.data_ptr(), t.size(0), t.stride(0), t.stride(1), int(t.size(1)),
-                                           int(t.size(2)), cu.data_ptr<int>(), max_seqlen};
+      z.t[z.count++] = FmhaBwdSm90GradRows{t.data_ptr(), t.stride(0), t.stride(1), int(t.size(0)), int(t.size(1)),
+                                           int(t.size(2)), cu.data_ptr<int>(), int(max_seqlen)};
     };
     add(dq, *cu_seqlens_q, msq);
     add(dk, *cu_seqlens_k, msk);

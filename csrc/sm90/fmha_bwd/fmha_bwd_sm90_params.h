@@ -100,13 +100,13 @@ struct FmhaBwdSm90Options {
 
 // A 16-bit gradient of a packed batch for fmha_bwd_sm90_zero_uncovered_rows: (rows, heads, cols) elements at ptr
 // with these strides (in elements; unit column stride), its sequences placed by cu_seqlens (batch + 1 int32 on the
-// device) and cut at max_seqlen.
+// device) and cut at max_seqlen, as the kernels' FmhaProblemParams place them (rows_q / rows_k, seqlen_q / seqlen_k).
 struct FmhaBwdSm90GradRows {
   void* ptr;
-  int64_t rows, row_stride, head_stride;
-  int heads, cols;
+  int64_t row_stride, head_stride;
+  int rows, heads, cols;
   const int* cu_seqlens;
-  int64_t max_seqlen;
+  int max_seqlen;
 };
 constexpr int kFmhaBwdSm90ZeroRowsMaxTensors = 4;  // dq, dk, dv and an MLA-native call's dk_pe
 struct FmhaBwdSm90ZeroRows {

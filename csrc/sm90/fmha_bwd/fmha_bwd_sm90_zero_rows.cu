@@ -9,18 +9,16 @@
 
 #include "common/cuda_check.h"
 #include "sm90/fmha_bwd/fmha_bwd_sm90_params.h"
+#include "sm90/sm90_varlen_rows.cuh"
 
 namespace {
 
-__device__ __forceinline__ int64_t clamp_rows(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
-
-// One warp per gap g = 0 .. batch, for each tensor: the rows from the end of what sequence g - 1 covers (row 0 for
-// g = 0) to the start of sequence g (the tensor's last row for g = batch). Sequence b covers rows [s, s + n), with
-// s = cu[b] clamped into [0, rows], its end cu[b + 1] clamped into [s, rows] and n cut at max_seqlen: the rule of
-// every kernel of the backward. Every uncovered row lies in some gap (a walk from s_0 to the last covered end that
-// only ever steps forward over covered rows or gaps, and back); a gap may also hold rows that an overlapping
-// sequence covers (decreasing cu_seqlens), which that sequence's kernels then write after this one. The values of
-// cu_seqlens are only read and clamped: any values are memory-safe.
+// One warp per gap g = 0 .. batch, for each tensor: the rows from the end of sequence g - 1 (row 0 for g = 0) to the
+// start of sequence g (the tensor's last row for g = batch), with the sequences' rows as mla_sm90::varlen_rows gives
+// them to every kernel of the backward. Every uncovered row lies in some gap (a walk from the first sequence's start
+// to the last covered end that only ever steps forward over covered rows or gaps, and back); a gap may also hold
+// rows that an overlapping sequence covers (decreasing cu_seqlens), which that sequence's kernels then write after
+// this one. The values of cu_seqlens are only read and clamped: any values are memory-safe.
 __global__ void __launch_bounds__(256) fmha_bwd_sm90_zero_rows_kernel(const FmhaBwdSm90ZeroRows z) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -29,12 +27,16 @@ __global__ void __launch_bounds__(256) fmha_bwd_sm90_zero_rows_kernel(const Fmha
     const FmhaBwdSm90GradRows& t = z.t[i];
     for (int64_t g = warp0; g <= z.batch; g += warps) {
       int64_t lo = 0, hi = t.rows;
+      int64_t start;
+      int len;
       if (g > 0) {
-        const int64_t s = clamp_rows(t.cu_seqlens[g - 1], 0, t.rows);
-        const int64_t e = clamp_rows(t.cu_seqlens[g], s, t.rows);
-        lo = s + (e - s < t.max_seqlen ? e - s : t.max_seqlen);
+        mla_sm90::varlen_rows(t.cu_seqlens, int(g) - 1, t.rows, t.max_seqlen, start, len);
+        lo = start + len;
       }
-      if (g < z.batch) hi = clamp_rows(t.cu_seqlens[g], 0, t.rows);
+      if (g < z.batch) {
+        mla_sm90::varlen_rows(t.cu_seqlens, int(g), t.rows, t.max_seqlen, start, len);
+        hi = start;
+      }
       if (hi <= lo) continue;
       const int64_t per_row = int64_t(t.heads) * t.cols;
       const int64_t n = (hi - lo) * per_row;
