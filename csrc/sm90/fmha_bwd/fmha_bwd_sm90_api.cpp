@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -194,6 +195,9 @@ void bwd_impl(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Ten
     msq = *max_seqlen_q;
     msk = *max_seqlen_k;
     MLA_CHECK(msq >= 0 && msk >= 0, "fmha_bwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
+    // As in fmha_fwd_sm90: a bound above the packed rows cuts nothing, capped there it stays an int.
+    msq = std::min(msq, tq);
+    msk = std::min(msk, tk);
     check_shape(k, "k", {tk, hkv, q.size(-1)});
     check_shape(v, "v", {tk, hkv, dvd});
     check_shape(out, "out", {tq, hq, dvd});

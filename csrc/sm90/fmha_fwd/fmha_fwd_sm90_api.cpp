@@ -178,6 +178,9 @@ void fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at:
     rows_k = k.size(0); Hkv = k.size(1); Dv = v.size(2);
     Sq = *max_seqlen_q; Sk = *max_seqlen_k;
     MLA_CHECK(Sq >= 0 && Sk >= 0, "fmha_fwd_sm90: max_seqlen_q/max_seqlen_k must be >= 0");
+    // No sequence has more rows than its packed tensor: a larger bound cuts nothing (varlen_rows), so it is capped
+    // there, which keeps it an int for the kernels and the grid no larger than the rows.
+    Sq = std::min(Sq, rows_q); Sk = std::min(Sk, rows_k);
     MLA_CHECK(k.size(2) == Dqk, "fmha_fwd_sm90: k shape ", k.sizes(), " does not match q ", q.sizes());
     MLA_CHECK(v.size(0) == rows_k && v.size(1) == Hkv, "fmha_fwd_sm90: v shape ", v.sizes(), " does not match k ", k.sizes());
     MLA_CHECK(out.dim() == 3 && out.size(0) == rows_q && out.size(1) == Hq && out.size(2) == Dv,
