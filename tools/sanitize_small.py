@@ -4,16 +4,17 @@
     compute-sanitizer --tool racecheck python tools/sanitize_small.py
     compute-sanitizer --tool racecheck python tools/sanitize_small.py --decode-only [--qk-mbar]
     python tools/sanitize_small.py --qk-mbar --build-only   # build the --qk-mbar module first, outside the tool
+    compute-sanitizer --tool memcheck python tools/sanitize_small.py --attention-only   # no decode (nor its build)
 
 Through the public API: SM90 forward and backward (dense GQA with ragged lengths and bottom-right
 causal mask, and varlen with an empty sequence) and the SM80-style decode over a NaN-poisoned paged
 cache, each checked loosely against the reference so a silent failure under the tool shows. Then the
 values that break the rules, with no value checks (the default): every case of
 mla_autograd.testing.BAD_VARLEN_CASES (negative, decreasing, past the end, longer than max_seqlen, int32
-extremes, overlapping) forward and backward, and testing.bad_decode_case (negative, oversized and INT32_MAX
-lengths, page ids -1, past num_pages and INT32_MIN) with and without a schedule, for 1 and 2 new tokens and
-16 and 128 heads; under memcheck they must show no error. Prints the backend of each call; exits non-zero
-if any result is wrong.
+extremes, a max_seqlen past int32, overlapping) forward and backward, and testing.bad_decode_case (negative,
+oversized and INT32_MAX lengths, page ids -1, past num_pages and INT32_MIN) with and without a schedule, for 1
+and 2 new tokens and 16 and 128 heads; under memcheck they must show no error. Prints the backend of each
+call; exits non-zero if any result is wrong. --attention-only: the attention cases alone (no decode build).
 
 --qk-mbar: the decode calls run a mla_decode_sm80 module built with -DMLA_DECODE_QK_MBAR, in a cache of its own
 beside the normal one (the build fingerprint does not see NVCC_APPEND_FLAGS; the normal cache is never touched):
@@ -81,8 +82,9 @@ def _attention_cases(dev, dt, g) -> bool:
     return ok
 
 
-def _bad_value_cases(dev, dt) -> bool:
-    """The rule-breaking values (testing.BAD_*): no fault; results against the repaired problems."""
+def _bad_varlen_cases(dev, dt) -> bool:
+    """The rule-breaking cu_seqlens / max_seqlen (testing.BAD_VARLEN_CASES): no fault; results against the
+    repaired problems."""
     ok = True
     tq, tk = T.BAD_VARLEN_ROWS
     g = torch.Generator(device=dev).manual_seed(2)
@@ -104,6 +106,13 @@ def _bad_value_cases(dev, dt) -> bool:
         ok &= _close(f"bad varlen '{case.name}' out", out[covered], want[0][covered])
         for n, a, r in zip(("dq", "dk", "dv"), grads, want[2:]):
             ok &= _close(f"bad varlen '{case.name}' {n}", a, r)
+    return ok
+
+
+def _bad_decode_cases(dev, dt) -> bool:
+    """The rule-breaking decode lengths and page ids (testing.bad_decode_case): no fault; results against the
+    repaired problems."""
+    ok = True
     for Sq, H in ((1, 16), (2, 16), (1, 128), (2, 64)):
         bad, valid = T.bad_decode_case(seqlen_q=Sq, num_heads=H, dtype=dt, device=dev,
                                        generator=torch.Generator().manual_seed(3))
@@ -149,6 +158,10 @@ def main() -> int:
     ok = True
     if "--decode-only" not in sys.argv:
         ok &= _attention_cases(dev, dt, g)
+    if "--attention-only" in sys.argv:
+        ok &= _bad_varlen_cases(dev, dt)
+        print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
+        return 0 if ok else 1
     # decode (with --qk-mbar: the module loaded above)
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
@@ -167,7 +180,8 @@ def main() -> int:
         ok &= _close(f"decode out H={H} Sq={Sq}", o, ro)
     torch.cuda.synchronize()
     if "--decode-only" not in sys.argv:
-        ok &= _bad_value_cases(dev, dt)
+        ok &= _bad_varlen_cases(dev, dt)
+        ok &= _bad_decode_cases(dev, dt)
     print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
     return 0 if ok else 1
 
