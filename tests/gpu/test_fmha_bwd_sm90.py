@@ -227,10 +227,10 @@ def test_compact_varlen_grids(ext, dims):
 @pytest.mark.parametrize("case", BAD_VARLEN_CASES, ids=lambda c: c.name)
 def test_uncovered_rows(ext, case):
     """cu_seqlens / max_seqlen that break the rules (testing.BAD_VARLEN_CASES: a negative start, ends past the
-    tensor, a decreasing pair, sequences cut at max_seqlen, int32 extremes, a max_seqlen past int32), gradients NaN-poisoned first: the rows
-    no sequence covers come out 0 (the uncovered-rows kernel; the others write only covered rows), and the covered
-    rows match the float32 reference, which takes the same ranges (every dims pair and mask). Overlapping ranges:
-    no fault, finite gradients."""
+    tensor, a decreasing pair, sequences cut at max_seqlen, int32 extremes, a max_seqlen past int32), gradients
+    NaN-poisoned first: the rows no sequence covers come out 0 (the uncovered-rows kernel; the others write only
+    covered rows), and the covered rows match the float32 reference, which takes the same ranges (every dims pair
+    and mask). Overlapping ranges: no fault, finite gradients."""
     tq, tk = BAD_VARLEN_ROWS
     cq, ck = (torch.tensor(c, dtype=torch.int32, device=DEV) for c in (case.cu_q, case.cu_k))
     for (d, dv), (causal, br) in itertools.product(DIMS, MASKS):
