@@ -147,22 +147,9 @@ def _load_qk_mbar_decode():
     return ext
 
 
-def main() -> int:
-    if "--qk-mbar" in sys.argv:
-        _load_qk_mbar_decode()
-        if "--build-only" in sys.argv:
-            print("sanitize_small: qk-mbar module built", flush=True)
-            return 0
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
+def _decode_cases(dev, dt, g) -> bool:
+    """decode over a NaN-poisoned paged cache (with --qk-mbar: the module main loaded) against the reference."""
     ok = True
-    if "--decode-only" not in sys.argv:
-        ok &= _attention_cases(dev, dt, g)
-    if "--attention-only" in sys.argv:
-        ok &= _bad_varlen_cases(dev, dt)
-        print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
-        return 0 if ok else 1
-    # decode (with --qk-mbar: the module loaded above)
     seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
     ckv, kpe, table = random_paged_cache(seqlens, page_size=16, dtype=dt, device=dev,
                                          generator=torch.Generator().manual_seed(1))  # CPU generator
@@ -179,9 +166,27 @@ def main() -> int:
         print(f"decode H={H} Sq={Sq} backend: {M.explain_decode(qn, qp, ckv).decode.backend}", flush=True)
         ok &= _close(f"decode out H={H} Sq={Sq}", o, ro)
     torch.cuda.synchronize()
-    if "--decode-only" not in sys.argv:
+    return ok
+
+
+def main() -> int:
+    if "--qk-mbar" in sys.argv:
+        _load_qk_mbar_decode()
+        if "--build-only" in sys.argv:
+            print("sanitize_small: qk-mbar module built", flush=True)
+            return 0
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    ok = True
+    attention, decode = "--decode-only" not in sys.argv, "--attention-only" not in sys.argv
+    if attention:
+        ok &= _attention_cases(dev, dt, g)
+    if decode:
+        ok &= _decode_cases(dev, dt, g)
+    if attention:
         ok &= _bad_varlen_cases(dev, dt)
-        ok &= _bad_decode_cases(dev, dt)
+        if decode:
+            ok &= _bad_decode_cases(dev, dt)
     print("sanitize_small:", "all ok" if ok else "WRONG RESULTS", flush=True)
     return 0 if ok else 1
 
